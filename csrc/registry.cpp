@@ -1,0 +1,25 @@
+// The one place where the dflash operator schemas live (SPEC section 3).
+//
+// Implementations register elsewhere: the CPU kernels in csrc/cpu/ (built once per CPU capability
+// and loaded at import time), the NPU launchers in csrc/npu/ (only with --device npu), and the fake
+// (meta) functions plus any reference fallbacks from dflash/_library.py.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(dflash, m) {
+  m.def(
+      "context_kv(Tensor hidden, Tensor? fc_weight, Tensor hidden_norm_weight, Tensor kv_weight, "
+      "Tensor? kv_bias, Tensor k_norm_weight, Tensor positions, Tensor cos_sin_cache, "
+      "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()");
+  m.def(
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
+      "float scale, bool causal) -> Tensor");
+  m.def(
+      "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
+      "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
+}
+
+// `import dflash._C` loads the schemas; the module itself has no Python attributes.
+static PyModuleDef dflash_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&dflash_c_module); }

@@ -1,0 +1,5 @@
+"""DFlash block-diffusion speculative decoding for Qwen3-family targets (CPU and Ascend NPU)."""
+
+from . import _library, ops  # noqa: F401  (registers torch.ops.dflash.*)
+
+__version__ = "0.1.0"

@@ -1,0 +1,77 @@
+"""Loads the compiled operator library and completes the `torch.ops.dflash` registrations.
+
+* `dflash._C` holds the schemas (csrc/registry.cpp).
+* CPU kernels are compiled once per CPU capability (`dflash._cpu_kernels_<cap>`); the best one
+  this host supports (as ATen sees it, so `ATEN_CPU_CAPABILITY` lowers it too) is loaded.
+* Every op gets a fake (meta) implementation here, so `torch.compile` and graph capture can
+  trace it.
+* An op without a compiled CPU kernel falls back to its PyTorch reference for the CPU key.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from . import (
+    _C,  # noqa: F401  (registers the schemas)
+    checks,
+    reference,
+)
+
+OPS = ("context_kv", "paged_attention", "rejection_sample")
+_CAPABILITY_ORDER = ("AVX512", "AVX2", "DEFAULT")
+
+
+def _load_cpu_kernels() -> str | None:
+    host = torch.backends.cpu.get_cpu_capability()
+    usable = _CAPABILITY_ORDER[_CAPABILITY_ORDER.index(host):] if host in _CAPABILITY_ORDER \
+        else ("DEFAULT",)
+    for cap in usable:
+        spec = importlib.util.find_spec(f"dflash._cpu_kernels_{cap.lower()}")
+        if spec is not None and spec.origin is not None:
+            torch.ops.load_library(spec.origin)
+            return cap
+    return None
+
+
+def has_kernel(op: str, dispatch_key: str = "CPU") -> bool:
+    """True when a compiled kernel (not the Python reference fallback) serves `op`."""
+    return op not in _REFERENCE_FALLBACKS.get(dispatch_key, set()) and \
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash::{op}", dispatch_key)
+
+
+CPU_CAPABILITY = _load_cpu_kernels()
+_REFERENCE_FALLBACKS: dict[str, set[str]] = {"CPU": set()}
+
+for _op in OPS:
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash::{_op}", "CPU"):
+        torch.library.register_kernel(f"dflash::{_op}", "cpu", getattr(reference, _op))
+        _REFERENCE_FALLBACKS["CPU"].add(_op)
+
+
+@torch.library.register_fake("dflash::context_kv")
+def _context_kv_fake(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+                     positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps):
+    checks.context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
+                           k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
+                           value_caches, eps)
+
+
+@torch.library.register_fake("dflash::paged_attention")
+def _paged_attention_fake(query, key, value, key_cache, value_cache, block_table, context_lens,
+                          cu_query_lens, scale, causal):
+    checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
+                                context_lens, cu_query_lens, scale, causal)
+    return torch.empty_like(query)
+
+
+@torch.library.register_fake("dflash::rejection_sample")
+def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                           exponential):
+    checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                                 exponential)
+    bs, k = draft_token_ids.shape
+    return draft_token_ids.new_empty(bs, k + 1), draft_token_ids.new_empty(bs)

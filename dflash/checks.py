@@ -1,0 +1,205 @@
+"""Input validation shared by the reference ops and the fake (meta) implementations.
+
+`*_meta` functions look only at shapes, dtypes and devices, so they also run on fake tensors.
+`*_values` functions read index and probability values; they run before an op writes anything, so
+an op that rejects its input leaves every output and cache untouched. The C++ and Ascend C kernels
+perform the same checks with the same message fragments (the bad-input tests are shared).
+
+Every failure raises ValueError with a message that starts with the op name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fail(op: str, message: str) -> None:
+    raise ValueError(f"{op}: {message}")
+
+
+def require(cond: bool, op: str, message: str) -> None:
+    if not cond:
+        fail(op, message)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def tensor(op: str, name: str, t, dtypes, dim: int, shape: Sequence[int | None] | None = None,
+           device: torch.device | None = None) -> None:
+    """`t` is a tensor of rank `dim`, one of `dtypes`, sizes `shape` (None = any), on `device`."""
+    require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    require(t.dtype in dtypes, op,
+            f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    require(t.dim() == dim, op, f"{name} must be {dim}-D, got shape {_shape(t)}")
+    if shape is not None:
+        for i, (got, want) in enumerate(zip(t.shape, shape)):
+            require(want is None or got == want, op,
+                    f"{name} has shape {_shape(t)}, expected size {want} in dim {i}")
+    if device is not None:
+        require(t.device == device, op, f"{name} is on {t.device}, expected {device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# context_kv
+# ---------------------------------------------------------------------------------------------
+
+def context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+                    positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps) -> None:
+    op = "context_kv"
+    tensor(op, "hidden", hidden, FLOAT_DTYPES, 2)
+    dtype, dev = hidden.dtype, hidden.device
+    n, d_in = hidden.shape
+    if fc_weight is not None:
+        tensor(op, "fc_weight", fc_weight, dtype, 2, (None, d_in), dev)
+        h = fc_weight.shape[0]
+    else:
+        h = d_in
+    tensor(op, "hidden_norm_weight", hidden_norm_weight, dtype, 1, (h,), dev)
+    tensor(op, "k_norm_weight", k_norm_weight, dtype, 2, device=dev)
+    layers, d = k_norm_weight.shape
+    require(d % 2 == 0, op, f"head_dim {d} must be even for rotate-half RoPE")
+    require(len(key_caches) == layers and len(value_caches) == layers, op,
+            f"expected {layers} key and value caches (one per layer of k_norm_weight), "
+            f"got {len(key_caches)} key and {len(value_caches)} value caches")
+    require(layers > 0, op, "k_norm_weight must describe at least one layer")
+    tensor(op, "key_caches[0]", key_caches[0], dtype, 4, device=dev)
+    cache_shape = tuple(key_caches[0].shape)
+    hkv = cache_shape[2]
+    require(cache_shape[3] == d, op,
+            f"key_caches[0] has head_dim {cache_shape[3]}, k_norm_weight has {d}")
+    for name, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
+        for i, c in enumerate(caches):
+            tensor(op, f"{name}[{i}]", c, dtype, 4, cache_shape, dev)
+    rows = layers * 2 * hkv * d
+    tensor(op, "kv_weight", kv_weight, dtype, 2, device=dev)
+    require(kv_weight.shape[0] == rows and kv_weight.shape[1] == h, op,
+            f"kv_weight has shape {_shape(kv_weight)}, expected [{rows}, {h}] "
+            f"(L={layers} x 2 x Hkv={hkv} x D={d} rows, hidden {h})")
+    if kv_bias is not None:
+        tensor(op, "kv_bias", kv_bias, dtype, 1, (rows,), dev)
+    tensor(op, "positions", positions, torch.int64, 1, (n,), dev)
+    tensor(op, "slot_mapping", slot_mapping, torch.int64, 1, (n,), dev)
+    tensor(op, "cos_sin_cache", cos_sin_cache, torch.float32, 2, (None, d), dev)
+    require(eps >= 0, op, f"eps must be non-negative, got {eps}")
+
+
+def context_kv_values(positions, cos_sin_cache, slot_mapping, key_caches) -> None:
+    op = "context_kv"
+    max_pos = cos_sin_cache.shape[0]
+    bad = ((positions < 0) | (positions >= max_pos)).nonzero()
+    if len(bad):
+        t = int(bad[0])
+        fail(op, f"positions[{t}] = {int(positions[t])} is out of range for a cos_sin_cache "
+                 f"of {max_pos} positions")
+    num_slots = key_caches[0].shape[0] * key_caches[0].shape[1]
+    bad = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
+    if len(bad):
+        t = int(bad[0])
+        fail(op, f"slot_mapping[{t}] = {int(slot_mapping[t])} is out of range for a cache of "
+                 f"{key_caches[0].shape[0]} blocks x {key_caches[0].shape[1]} slots "
+                 f"(valid: -1 to {num_slots - 1})")
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_attention
+# ---------------------------------------------------------------------------------------------
+
+def paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
+                         cu_query_lens, scale, causal) -> None:
+    op = "paged_attention"
+    tensor(op, "query", query, FLOAT_DTYPES, 3)
+    dtype, dev = query.dtype, query.device
+    tq, hq, d = query.shape
+    tensor(op, "key", key, dtype, 3, (tq, None, d), dev)
+    hkv = key.shape[1]
+    tensor(op, "value", value, dtype, 3, (tq, hkv, d), dev)
+    require(hkv > 0 and hq % hkv == 0, op,
+            f"query heads {hq} must be a multiple of kv heads {hkv}")
+    tensor(op, "key_cache", key_cache, dtype, 4, (None, None, hkv, d), dev)
+    tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
+    tensor(op, "block_table", block_table, torch.int32, 2, device=dev)
+    b = block_table.shape[0]
+    tensor(op, "context_lens", context_lens, torch.int32, 1, (b,), dev)
+    tensor(op, "cu_query_lens", cu_query_lens, torch.int32, 1, (b + 1,), dev)
+    require(scale == scale and abs(scale) != float("inf"), op, f"scale must be finite, got {scale}")
+
+
+def paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens) -> None:
+    op = "paged_attention"
+    tq = query.shape[0]
+    num_blocks, block_size = key_cache.shape[:2]
+    cu = cu_query_lens.tolist()
+    require(cu[0] == 0, op, f"cu_query_lens must start at 0, got {cu[0]}")
+    require(cu[-1] == tq, op, f"cu_query_lens must end at the {tq} query rows, got {cu[-1]}")
+    for b in range(len(cu) - 1):
+        require(cu[b] <= cu[b + 1], op, f"cu_query_lens is not monotone at sequence {b}: "
+                                        f"{cu[b]} > {cu[b + 1]}")
+    max_blocks = block_table.shape[1]
+    for b, ctx in enumerate(context_lens.tolist()):
+        require(0 <= ctx <= max_blocks * block_size, op,
+                f"context_lens[{b}] = {ctx} is out of range: the block table covers "
+                f"{max_blocks} blocks x {block_size} tokens")
+        used = block_table[b, : (ctx + block_size - 1) // block_size]
+        bad = ((used < 0) | (used >= num_blocks)).nonzero()
+        if len(bad):
+            j = int(bad[0])
+            fail(op, f"block_table[{b}, {j}] = {int(used[j])} is out of range for "
+                     f"{num_blocks} cache blocks")
+
+
+# ---------------------------------------------------------------------------------------------
+# rejection_sample
+# ---------------------------------------------------------------------------------------------
+
+def rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                          exponential) -> None:
+    op = "rejection_sample"
+    tensor(op, "draft_token_ids", draft_token_ids, torch.int64, 2)
+    dev = draft_token_ids.device
+    bs, k = draft_token_ids.shape
+    tensor(op, "target_probs", target_probs, torch.float32, 3, (bs, k + 1, None), dev)
+    v = target_probs.shape[2]
+    require(v > 0, op, "target_probs has an empty vocabulary")
+    if draft_probs is not None:
+        tensor(op, "draft_probs", draft_probs, torch.float32, 3, (bs, k, v), dev)
+    tensor(op, "is_greedy", is_greedy, torch.bool, 1, (bs,), dev)
+    tensor(op, "uniform", uniform, torch.float32, 2, (bs, k), dev)
+    tensor(op, "exponential", exponential, torch.float32, 2, (bs, v), dev)
+
+
+def _check_probs(op: str, name: str, probs: torch.Tensor) -> None:
+    """Every row of `probs [Bs, R, V]` is finite and non-negative."""
+    bad_rows = (~torch.isfinite(probs) | (probs < 0)).any(-1).nonzero()
+    if len(bad_rows):
+        b, i = (int(x) for x in bad_rows[0])
+        row = probs[b, i]
+        what = "NaN/Inf" if not torch.isfinite(row).all() else "negative"
+        fail(op, f"{name} row (sequence {b}, position {i}) has {what} probabilities")
+
+
+def rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
+                            exponential) -> None:
+    op = "rejection_sample"
+    v = target_probs.shape[2]
+    bad = ((draft_token_ids < 0) | (draft_token_ids >= v)).nonzero()
+    if len(bad):
+        b, i = (int(x) for x in bad[0])
+        fail(op, f"draft_token_ids[{b}, {i}] = {int(draft_token_ids[b, i])} is outside the "
+                 f"vocabulary of {v}")
+    _check_probs(op, "target_probs", target_probs)
+    if draft_probs is not None:
+        _check_probs(op, "draft_probs", draft_probs)
+    bad = (~((uniform >= 0) & (uniform < 1))).nonzero()
+    if len(bad):
+        b, i = (int(x) for x in bad[0])
+        fail(op, f"uniform[{b}, {i}] = {float(uniform[b, i])} is outside [0, 1)")
+    bad = (~((exponential > 0) & torch.isfinite(exponential))).any(-1).nonzero()
+    if len(bad):
+        fail(op, f"exponential row {int(bad[0])} must be positive and finite (Exp(1) noise)")

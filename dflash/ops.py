@@ -1,0 +1,103 @@
+"""Thin Python wrappers over `torch.ops.dflash.*` (SPEC section 3).
+
+Each op validates its inputs itself (shape, dtype, device, index ranges, probability values) and
+raises ValueError naming the problem, whichever implementation serves it; these wrappers add the
+documentation and Python defaults. Which implementation serves CPU calls is reported by
+`dflash.ops.implementation(name)`: a compiled kernel, or the PyTorch reference as a fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _library
+
+
+def implementation(op: str) -> str:
+    """'kernel (<capability>)' or 'reference' for the CPU implementation of `op`."""
+    if op not in _library.OPS:
+        raise ValueError(f"unknown dflash op {op!r}; known: {', '.join(_library.OPS)}")
+    return f"kernel ({_library.CPU_CAPABILITY})" if _library.has_kernel(op) else "reference"
+
+
+def context_kv(hidden: torch.Tensor, fc_weight: torch.Tensor | None,
+               hidden_norm_weight: torch.Tensor, kv_weight: torch.Tensor,
+               kv_bias: torch.Tensor | None, k_norm_weight: torch.Tensor,
+               positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+               eps: float = 1e-6) -> None:
+    """Materialize the draft's context K/V for N committed tokens into every layer's paged cache.
+
+    c = rms_norm(hidden @ fc_weight.T, hidden_norm_weight); kv = c @ kv_weight.T (+ kv_bias);
+    per layer l: K = rope(rms_norm_per_head(k_l, k_norm_weight[l]), positions), V = v_l; both are
+    scattered to slot_mapping (slot -1 = skip).
+
+    Args:
+        hidden: [N, D_in] target features (float32 / bfloat16 / float16; sets the dtype of all).
+        fc_weight: [H, D_in], or None when `hidden` is already [N, H].
+        hidden_norm_weight: [H].
+        kv_weight: [L * 2 * Hkv * D, H], layer-major: layer l's k_proj rows, then its v_proj rows.
+        kv_bias: [L * 2 * Hkv * D] or None.
+        k_norm_weight: [L, D].
+        positions: [N] int64 absolute positions (index into cos_sin_cache).
+        cos_sin_cache: [max_pos, D] float32, rows [cos(D/2) | sin(D/2)].
+        slot_mapping: [N] int64, slot = block * block_size + offset, or -1.
+        key_caches, value_caches: L tensors [num_blocks, block_size, Hkv, D], written in place.
+    """
+    torch.ops.dflash.context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
+                                k_norm_weight, positions, cos_sin_cache, slot_mapping,
+                                list(key_caches), list(value_caches), eps)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_table: torch.Tensor, context_lens: torch.Tensor,
+                    cu_query_lens: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Attention of every sequence's new tokens over its paged context plus its new tokens.
+
+    Args:
+        query: [Tq, Hq, D]; rows [cu_query_lens[b], cu_query_lens[b+1]) belong to sequence b.
+        key, value: [Tq, Hkv, D], the new tokens' own K/V (Hq % Hkv == 0; query head h uses
+            kv head h // (Hq / Hkv)).
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D].
+        block_table: [B, max_blocks] int32; context_lens: [B] int32 (may be 0);
+        cu_query_lens: [B + 1] int32, starting at 0 and ending at Tq.
+        scale: softmax scale (usually D ** -0.5).
+        causal: False: every new token sees all keys of its sequence (DFlash draft block);
+            True: new token i sees the context and new tokens 0..i (prefill, decode, verify).
+
+    Returns:
+        [Tq, Hq, D] in the query dtype; softmax in float32.
+    """
+    return torch.ops.dflash.paged_attention(query, key, value, key_cache, value_cache,
+                                            block_table, context_lens, cu_query_lens, scale,
+                                            causal)
+
+
+def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, is_greedy: torch.Tensor, uniform: torch.Tensor,
+                     exponential: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the longest valid prefix of each draft and emit one correction or bonus token.
+
+    Greedy rows accept while draft[i] == argmax target_probs[i]. Sampling rows accept x_i while
+    uniform[i] * q_i(x_i) < p_i(x_i); at the first rejection j they emit
+    argmax_v max(p_j - q_j, 0)[v] / exponential[v] (p_j if that residual is all zero); with no
+    rejection the bonus is argmax_v p_K[v] / exponential[v]. Given the same noise, every
+    implementation returns identical tokens.
+
+    Args:
+        draft_token_ids: [Bs, K] int64.
+        draft_probs: [Bs, K, V] float32 dense proposal probabilities, or None for one-hot
+            proposals (argmax drafts, q(x) = 1).
+        target_probs: [Bs, K + 1, V] float32, already temperature / top-k / top-p processed.
+        is_greedy: [Bs] bool.
+        uniform: [Bs, K] float32 in [0, 1), acceptance coins.
+        exponential: [Bs, V] float32 Exp(1) noise for the one resampled token per row.
+
+    Returns:
+        output_token_ids [Bs, K + 1] int64 (emitted tokens, then -1) and num_accepted [Bs] int64.
+    """
+    return torch.ops.dflash.rejection_sample(draft_token_ids, draft_probs, target_probs,
+                                             is_greedy, uniform, exponential)

@@ -1,0 +1,158 @@
+"""Pure-PyTorch reference implementations of the three dflash operators (SPEC section 3).
+
+This module is the executable specification: every kernel (C++ CPU, Ascend C under emulation, NPU)
+is tested against it. It is written to be obviously right, not fast: explicit per-sequence loops,
+float32 math, no fusion.
+
+Precision contract shared by all implementations:
+  * GEMMs run in the input dtype through `torch.nn.functional.linear` (float32 accumulation,
+    one rounding to the dtype), exactly as the model's own projections do.
+  * RMSNorm, softmax and RoPE compute in float32; results are rounded to the output dtype once,
+    with round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import checks
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32; returns float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rope_neox(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [..., T, Hx, D] float32; cos_sin [T, D] = [cos(D/2) | sin(D/2)]."""
+    half = x.shape[-1] // 2
+    cos, sin = cos_sin[:, None, :half].float(), cos_sin[:, None, half:].float()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+               positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps) -> None:
+    """Write the draft's context K/V of N tokens into every layer's paged cache (SPEC 3.1)."""
+    checks.context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
+                           k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
+                           value_caches, eps)
+    checks.context_kv_values(positions, cos_sin_cache, slot_mapping, key_caches)
+    dtype = hidden.dtype
+    x = hidden if fc_weight is None else F.linear(hidden, fc_weight)
+    c = rms_norm(x, hidden_norm_weight, eps).to(dtype)
+    kv = F.linear(c, kv_weight, kv_bias)
+
+    layers, head_dim = k_norm_weight.shape
+    num_blocks, block_size, hkv, _ = key_caches[0].shape
+    kv = kv.view(-1, layers, 2, hkv, head_dim)
+    cos_sin = cos_sin_cache[positions]
+    for layer in range(layers):
+        k = rms_norm(kv[:, layer, 0], k_norm_weight[layer], eps)
+        k = rope_neox(k, cos_sin).to(dtype)
+        v = kv[:, layer, 1]
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot == -1:
+                continue
+            key_caches[layer][slot // block_size, slot % block_size] = k[t]
+            value_caches[layer][slot // block_size, slot % block_size] = v[t]
+
+
+def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence from a paged cache: [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table_row[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
+                    cu_query_lens, scale, causal) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its cached context plus the new tokens.
+
+    Returns [Tq, Hq, D] in the query dtype (SPEC 3.2).
+    """
+    checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
+                                context_lens, cu_query_lens, scale, causal)
+    checks.paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens)
+    out = torch.empty_like(query)
+    group = query.shape[1] // key.shape[1]
+    cu = cu_query_lens.tolist()
+    for b, ctx in enumerate(context_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if start == end:
+            continue
+        keys = torch.cat([gather_context(key_cache, block_table[b], ctx), key[start:end]])
+        values = torch.cat([gather_context(value_cache, block_table[b], ctx), value[start:end]])
+        keys = keys.float().repeat_interleave(group, dim=1)      # [S, Hq, D]
+        values = values.float().repeat_interleave(group, dim=1)
+        q = query[start:end].float()                             # [n, Hq, D]
+        scores = torch.einsum("nhd,shd->hns", q, keys) * scale   # [Hq, n, S]
+        if causal:
+            n, s = end - start, ctx + end - start
+            # new token i sees the context and new tokens 0..i
+            visible = torch.arange(s)[None, :] <= ctx + torch.arange(n)[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hns,shd->nhd", probs, values).to(query.dtype)
+    return out
+
+
+def _noisy_argmax(weights: torch.Tensor, exponential: torch.Tensor) -> int:
+    """argmax_v weights[v] / exponential[v] (float32 division, first index on ties).
+
+    With exponential ~ Exp(1) this is a draw from weights / sum(weights) (exponential race).
+    """
+    return int(torch.argmax(weights / exponential))
+
+
+def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                     exponential) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative-decoding acceptance for a batch of drafts (SPEC 3.3).
+
+    Returns (output_token_ids [Bs, K+1] int64 padded with -1, num_accepted [Bs] int64).
+    """
+    checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                                 exponential)
+    checks.rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
+                                   exponential)
+    bs, k = draft_token_ids.shape
+    out = torch.full((bs, k + 1), -1, dtype=torch.int64, device=draft_token_ids.device)
+    num_accepted = torch.zeros(bs, dtype=torch.int64, device=draft_token_ids.device)
+    for b in range(bs):
+        drafts = draft_token_ids[b].tolist()
+        p = target_probs[b]
+        if bool(is_greedy[b]):
+            targets = p.argmax(-1).tolist()  # torch.argmax returns the first maximal index
+            a = 0
+            while a < k and drafts[a] == targets[a]:
+                a += 1
+            final = targets[a]
+        else:
+            a = 0
+            while a < k:
+                x = drafts[a]
+                # float32 product, as every kernel computes it (q = 1 for one-hot proposals)
+                coin = uniform[b, a] if draft_probs is None else \
+                    uniform[b, a] * draft_probs[b, a, x]
+                if bool(coin < p[a, x]):
+                    a += 1
+                else:
+                    break
+            if a < k:  # rejected at position a: resample from the residual
+                if draft_probs is None:
+                    residual = p[a].clone()
+                    residual[drafts[a]] = 0
+                else:
+                    residual = (p[a] - draft_probs[b, a]).clamp(min=0)
+                if not bool((residual > 0).any()):
+                    residual = p[a]
+                final = _noisy_argmax(residual, exponential[b])
+            else:  # every draft accepted: the bonus token comes from p_K
+                final = _noisy_argmax(p[k], exponential[b])
+        out[b, :a] = torch.tensor(drafts[:a], dtype=torch.int64)
+        out[b, a] = final
+        num_accepted[b] = a
+    return out, num_accepted

@@ -1,0 +1,47 @@
+"""`dflash selfcheck`: run each op's serving implementation against the PyTorch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops, reference, testing
+
+CASES = {
+    "context_kv": lambda dtype: testing.context_kv_inputs(
+        n=24, d_in=256, h=128, layers=2, hkv=2, d=64, num_blocks=8, block_size=16, dtype=dtype,
+        stacked=True, skip_every=5),
+    "paged_attention": lambda dtype: testing.paged_attention_inputs(
+        context_lens=(37, 5, 0), query_lens=(16, 16, 16), hq=8, hkv=2, d=64, block_size=16,
+        dtype=dtype),
+    "rejection_sample": lambda dtype: testing.rejection_sample_inputs(bs=4, k=15, v=1000),
+}
+
+
+def _outputs(op: str, args: dict, result) -> torch.Tensor:
+    tensors = args["key_caches"] + args["value_caches"] if op == "context_kv" else result
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    return torch.cat([t.float().flatten() for t in tensors])
+
+
+def _clone(args: dict) -> dict:
+    return {k: ([t.clone() for t in v] if isinstance(v, list) else v) for k, v in args.items()}
+
+
+def run() -> bool:
+    """Print one line per (op, dtype); True when every implementation agrees with the reference."""
+    ok = True
+    for op, make in CASES.items():
+        dtypes = (torch.float32,) if op == "rejection_sample" else (torch.float32, torch.bfloat16)
+        for dtype in dtypes:
+            args = make(dtype)
+            got_args, want_args = _clone(args), _clone(args)
+            got = _outputs(op, got_args, getattr(torch.ops.dflash, op)(**got_args))
+            want = _outputs(op, want_args, getattr(reference, op)(**want_args))
+            err = (got - want).abs().nan_to_num(0.0).max().item()
+            same_nans = torch.equal(got.isnan(), want.isnan())
+            tol = 0.0 if op == "rejection_sample" else (1e-5 if dtype == torch.float32 else 2e-2)
+            good = err <= tol and same_nans
+            ok &= good
+            print(f"{op:17s} {str(dtype):15s} {ops.implementation(op):16s} "
+                  f"max |err| = {err:.2e}  {'ok' if good else 'MISMATCH'}")
+    return ok
