@@ -99,3 +99,114 @@ def rejection_sample_inputs(bs=4, k=3, v=11, dense=True, greedy_every=2, seed=0,
         uniform=torch.rand(bs, k, generator=g),
         exponential=torch.empty(bs, v).exponential_(generator=g),
     )
+
+
+# ------------------------------------------------------------------ tiny random checkpoints
+
+TINY_TARGETS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+               "tie_word_embeddings": True}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+
+
+def make_tiny_target(directory, kind: str = "qwen3", seed: int = 0, **overrides):
+    """Save a tiny random Hugging Face target (float32) to `directory`; returns the HF model."""
+    import transformers
+
+    config_cls, model_cls, extra = TINY_TARGETS[kind]
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    config = getattr(transformers, config_cls)(**{**base, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():   # random init is tiny; make logits spread so greedy is decisive
+        for p in model.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
+    model.save_pretrained(directory)
+    return model
+
+
+def make_tiny_draft(directory, target_dir, num_layers: int = 2, block_size: int = 8,
+                    mask_token_id: int = 95, target_layer_ids=None, seed: int = 0,
+                    attention_bias: bool = False, use_dflash_config: bool = True,
+                    shards: int = 1, **overrides) -> dict:
+    """Save a random DFlashDraftModel checkpoint matching the target in `target_dir`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from .models.config import default_target_layer_ids
+
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    h, ht = tcfg["hidden_size"], tcfg["hidden_size"]
+    heads, kv_heads, d, inter = 4, 2, 16, 96
+    ids = target_layer_ids or default_target_layer_ids(tcfg["num_hidden_layers"], num_layers)
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *s: torch.randn(*s, generator=g) * (0.3 / s[-1] ** 0.5)  # noqa: E731
+    norm = lambda n: 1 + 0.1 * torch.randn(n, generator=g)  # noqa: E731
+    tensors = {"fc.weight": w(h, len(ids) * ht), "hidden_norm.weight": norm(h),
+               "norm.weight": norm(h)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_proj.weight": w(heads * d, h) * 4,
+            p + "self_attn.k_proj.weight": w(kv_heads * d, h) * 4,
+            p + "self_attn.v_proj.weight": w(kv_heads * d, h),
+            p + "self_attn.o_proj.weight": w(h, heads * d),
+            p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
+            p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter),
+        })
+        if attention_bias:
+            for n, rows in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d), ("o", h)):
+                tensors[p + f"self_attn.{n}_proj.bias"] = 0.1 * torch.randn(rows, generator=g)
+    dflash_fields = {"block_size": block_size, "mask_token_id": mask_token_id,
+                     "target_layer_ids": ids}
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h,
+              "num_hidden_layers": num_layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": d, "intermediate_size": inter,
+              "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 512,
+              "attention_bias": attention_bias, "vocab_size": tcfg["vocab_size"],
+              **({"dflash_config": dflash_fields} if use_dflash_config else dflash_fields),
+              **overrides}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, directory / "model.safetensors")
+    else:   # round-robin, so one layer's k_proj and v_proj land in different shards
+        weight_map = {}
+        for s in range(shards):
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[s::shards]}
+            save_file(part, directory / file)
+            weight_map.update({n: file for n in part})
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+def sequence_metadata(start: int, length: int, blocks: list[int], block_size: int):
+    """AttentionMetadata for one sequence adding tokens start..start+length-1 to a paged cache
+    whose logical block i is physical block blocks[i]."""
+    from .models import AttentionMetadata
+
+    positions = torch.arange(start, start + length)
+    table = torch.tensor(blocks, dtype=torch.long)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    return AttentionMetadata(
+        positions=positions, slot_mapping=slots,
+        block_table=torch.tensor([blocks], dtype=torch.int32),
+        context_lens=torch.tensor([start], dtype=torch.int32),
+        cu_query_lens=torch.tensor([0, length], dtype=torch.int32))

@@ -1,0 +1,98 @@
+"""The DFlash draft model (SPEC sections 1-2).
+
+A stack of Qwen3 pre-norm layers without embedding or lm_head (both borrowed from the target).
+Context tokens (committed tokens' target features) only contribute K/V, materialized once through
+`dflash.ops.context_kv` into a paged cache; the block of B tokens attends to that context and to
+itself with no causal mask through `dflash.ops.paged_attention(causal=False)`.
+
+Every layer's k_proj/v_proj live in one layer-major `kv_weight` [L * 2 * Hkv * D, H] so that one
+GEMM produces the context K/V of all layers; a layer's block K/V use its slice of the same weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from .config import DraftConfig
+from .layers import AttentionMetadata, apply_rope, rms_norm, rope_cos_sin
+from .target import MLP, _param
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        a = cfg.attn
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.eps = a.rms_norm_eps
+        self.input_norm = _param(a.hidden_size)
+        self.post_norm = _param(a.hidden_size)
+        self.q = _param(a.num_heads * a.head_dim, a.hidden_size)
+        self.q_bias = _param(self.q.shape[0]) if a.attention_bias else None
+        self.q_norm = _param(a.head_dim)
+        self.o = _param(a.hidden_size, a.num_heads * a.head_dim)
+        self.o_bias = _param(a.hidden_size) if a.attention_bias else None
+        self.mlp = MLP(a.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos_sin, kv_weight, kv_bias, k_norm, attend):
+        """`attend(q, k, v)` runs attention of the block over context + block."""
+        t, dtype = x.shape[0], x.dtype
+        h = rms_norm(x, self.input_norm, self.eps)
+        q = F.linear(h, self.q, self.q_bias).view(t, self.num_heads, self.head_dim)
+        k, v = F.linear(h, kv_weight, kv_bias).view(t, 2, self.num_kv_heads, self.head_dim).unbind(1)
+        q = apply_rope(rms_norm(q, self.q_norm, self.eps), cos_sin).to(dtype)
+        k = apply_rope(rms_norm(k, k_norm, self.eps), cos_sin).to(dtype)
+        x = x + F.linear(attend(q, k, v).reshape(t, -1), self.o, self.o_bias)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig, target_hidden_size: int):
+        super().__init__()
+        self.cfg = cfg
+        a = cfg.attn
+        kv_rows = cfg.num_layers * 2 * a.num_kv_heads * a.head_dim
+        self.fc = _param(a.hidden_size, len(cfg.target_layer_ids) * target_hidden_size)
+        self.hidden_norm = _param(a.hidden_size)
+        self.norm = _param(a.hidden_size)
+        self.kv_weight = _param(kv_rows, a.hidden_size)
+        self.kv_bias = _param(kv_rows) if a.attention_bias else None
+        self.k_norm = _param(cfg.num_layers, a.head_dim)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.register_buffer("cos_sin", rope_cos_sin(a, a.max_position_embeddings),
+                             persistent=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """[layers, 2 (K, V), num_blocks, block_size, Hkv, D]."""
+        a = self.cfg.attn
+        return (self.cfg.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer `layer`'s slice of the fused K/V weight and bias: k_proj rows then v_proj rows."""
+        rows = 2 * self.cfg.attn.num_kv_heads * self.cfg.attn.head_dim
+        sl = slice(layer * rows, (layer + 1) * rows)
+        return self.kv_weight[sl], None if self.kv_bias is None else self.kv_bias[sl]
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Append committed tokens' context K/V (features [N, n_aux * H_t]) to the draft cache."""
+        ops.context_kv(features, self.fc, self.hidden_norm, self.kv_weight, self.kv_bias,
+                       self.k_norm, positions, self.cos_sin, slot_mapping,
+                       list(kv_cache[:, 0]), list(kv_cache[:, 1]), self.cfg.attn.rms_norm_eps)
+
+    def forward(self, block_embeds: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Non-causal pass over blocks (block_embeds [T, H], the target's embeddings of the block
+        tokens); returns the final-normed hidden states [T, H]."""
+        scale = self.cfg.attn.head_dim**-0.5
+        cos_sin = self.cos_sin[meta.positions]
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            def attend(q, k, v, i=i):
+                return ops.paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1],
+                                           meta.block_table, meta.context_lens,
+                                           meta.cu_query_lens, scale, causal=False)
+            x = layer(x, cos_sin, *self.layer_kv(i), self.k_norm[i], attend)
+        return rms_norm(x, self.norm, self.cfg.attn.rms_norm_eps)

@@ -1,0 +1,65 @@
+"""Building blocks shared by the target and the draft: norms, RoPE, attention metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from .config import AttentionConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a batch of new tokens sits in the paged caches (SPEC 3.2).
+
+    Sequence b owns rows [cu_query_lens[b], cu_query_lens[b+1]) of the flattened tokens; its
+    context_lens[b] cached tokens are read through block_table[b].
+    """
+
+    positions: torch.Tensor       # [T] int64 absolute positions
+    slot_mapping: torch.Tensor    # [T] int64 cache slots the new tokens' K/V are written to
+    block_table: torch.Tensor     # [B, max_blocks] int32
+    context_lens: torch.Tensor    # [B] int32
+    cu_query_lens: torch.Tensor   # [B + 1] int32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, rounded once to x's dtype."""
+    return reference.rms_norm(x, weight, eps).to(x.dtype)
+
+
+def rope_cos_sin(cfg: AttentionConfig, max_positions: int) -> torch.Tensor:
+    """[max_positions, D] float32 rows [cos(D/2) | sin(D/2)] (NeoX layout), with Llama-3 scaling."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if cfg.rope_scaling is not None:
+        inv_freq = _llama3_scaling(inv_freq, **cfg.rope_scaling)
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def _llama3_scaling(inv_freq, factor, low_freq_factor, high_freq_factor,
+                    original_max_position_embeddings):
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend in between."""
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / \
+        (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen > low_wavelen, inv_freq / factor,
+                       torch.where(wavelen < high_wavelen, inv_freq, blended))
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (any float dtype, or float32 straight from a norm) -> rotated, float32."""
+    return reference.rope_neox(x.float(), cos_sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

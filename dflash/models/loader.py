@@ -1,0 +1,330 @@
+"""Checkpoint loading: Hugging Face directories (single or sharded safetensors) and GGUF files.
+
+Each model declares a recipe: for every parameter, the checkpoint tensors (with their expected
+shapes) it is assembled from. All sources are resolved only after every shard has been indexed, so
+fused weights (q|k|v, gate|up, the draft's layer-major K/V) can mix tensors from different shards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ConfigError, DraftConfig, TargetConfig
+from .draft import DFlashDraft
+from .target import TargetModel
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor is missing, malformed or has the wrong shape."""
+
+
+@dataclass
+class Source:
+    """Parameter = tensors cat'ed along dim 0; with `group` > 0, each run of `group` tensors is
+    cat'ed and the results stacked (experts, per-layer norms)."""
+
+    tensors: list[tuple[str, tuple[int, ...]]]
+    group: int = 0
+
+
+# --------------------------------------------------------------------------------- recipes
+
+def _layer_attention(r, ours, hf, a, q_rows, kv_rows, qkv_bias, o_bias, qk_norm, fused_kv=True):
+    h = a.hidden_size
+    q, k, v = (f"{hf}self_attn.{n}_proj" for n in "qkv")
+    if fused_kv:
+        r[f"{ours}qkv"] = Source([(f"{q}.weight", (q_rows, h)), (f"{k}.weight", (kv_rows, h)),
+                                  (f"{v}.weight", (kv_rows, h))])
+        if qkv_bias:
+            r[f"{ours}qkv_bias"] = Source([(f"{q}.bias", (q_rows,)), (f"{k}.bias", (kv_rows,)),
+                                           (f"{v}.bias", (kv_rows,))])
+    else:
+        r[f"{ours}q"] = Source([(f"{q}.weight", (q_rows, h))])
+        if qkv_bias:
+            r[f"{ours}q_bias"] = Source([(f"{q}.bias", (q_rows,))])
+    r[f"{ours}o"] = Source([(f"{hf}self_attn.o_proj.weight", (h, q_rows))])
+    if o_bias:
+        r[f"{ours}o_bias"] = Source([(f"{hf}self_attn.o_proj.bias", (h,))])
+    if qk_norm:
+        r[f"{ours}q_norm"] = Source([(f"{hf}self_attn.q_norm.weight", (a.head_dim,))])
+        if fused_kv:
+            r[f"{ours}k_norm"] = Source([(f"{hf}self_attn.k_norm.weight", (a.head_dim,))])
+
+
+def _norms_and_mlp(r, ours, hf, h, inter, mlp_ours):
+    r[f"{ours}input_norm"] = Source([(f"{hf}input_layernorm.weight", (h,))])
+    r[f"{ours}post_norm"] = Source([(f"{hf}post_attention_layernorm.weight", (h,))])
+    if inter:
+        r[f"{mlp_ours}gate_up"] = Source([(f"{hf}mlp.gate_proj.weight", (inter, h)),
+                                          (f"{hf}mlp.up_proj.weight", (inter, h))])
+        r[f"{mlp_ours}down"] = Source([(f"{hf}mlp.down_proj.weight", (h, inter))])
+
+
+def target_recipe(cfg: TargetConfig) -> dict[str, Source]:
+    a = cfg.attn
+    h, v = a.hidden_size, cfg.vocab_size
+    q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    r = {"embed": Source([("model.embed_tokens.weight", (v, h))]),
+         "norm": Source([("model.norm.weight", (h,))])}
+    if not cfg.tie_word_embeddings:
+        r["lm_head"] = Source([("lm_head.weight", (v, h))])
+    for i in range(cfg.num_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        _layer_attention(r, f"{ours}attn.", hf, a, q_rows, kv_rows, cfg.qkv_bias,
+                         a.attention_bias, cfg.qk_norm)
+        moe = cfg.is_moe_layer(i)
+        _norms_and_mlp(r, ours, hf, h, 0 if moe else cfg.intermediate_size, f"{ours}mlp.")
+        if moe:
+            e, inter = cfg.num_experts, cfg.moe_intermediate_size
+            ex = [f"{hf}mlp.experts.{j}." for j in range(e)]
+            r[f"{ours}mlp.router"] = Source([(f"{hf}mlp.gate.weight", (e, h))])
+            r[f"{ours}mlp.gate_up"] = Source(
+                [(f"{x}{p}_proj.weight", (inter, h)) for x in ex for p in ("gate", "up")], 2)
+            r[f"{ours}mlp.down"] = Source([(f"{x}down_proj.weight", (h, inter)) for x in ex], 1)
+    return r
+
+
+def draft_recipe(cfg: DraftConfig, target_hidden: int) -> dict[str, Source]:
+    a = cfg.attn
+    h, d = a.hidden_size, a.head_dim
+    q_rows, kv_rows = a.num_heads * d, a.num_kv_heads * d
+    layers = range(cfg.num_layers)
+    r = {"fc": Source([("fc.weight", (h, len(cfg.target_layer_ids) * target_hidden))]),
+         "hidden_norm": Source([("hidden_norm.weight", (h,))]),
+         "norm": Source([("norm.weight", (h,))]),
+         "kv_weight": Source([(f"layers.{i}.self_attn.{p}_proj.weight", (kv_rows, h))
+                              for i in layers for p in "kv"]),
+         "k_norm": Source([(f"layers.{i}.self_attn.k_norm.weight", (d,)) for i in layers], 1)}
+    if a.attention_bias:
+        r["kv_bias"] = Source([(f"layers.{i}.self_attn.{p}_proj.bias", (kv_rows,))
+                               for i in layers for p in "kv"])
+    for i in layers:
+        ours = f"layers.{i}."
+        _layer_attention(r, ours, ours, a, q_rows, kv_rows, a.attention_bias, a.attention_bias,
+                         True, fused_kv=False)
+        _norms_and_mlp(r, ours, ours, h, cfg.intermediate_size, f"{ours}mlp.")
+    return r
+
+
+# --------------------------------------------------------------------------------- sources
+
+class SafetensorsCheckpoint:
+    """Name -> tensor over one or many memory-mapped safetensors shards."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory} has no *.safetensors weights")
+        self._handles, self._where = [], {}
+        for name in files:
+            path = directory / name
+            if not path.exists():
+                raise CheckpointError(f"shard {path} listed in the index does not exist")
+            handle = safe_open(str(path), framework="pt")
+            self._handles.append(handle)
+            for key in handle.keys():
+                self._where[key] = handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+class DictCheckpoint:
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str,
+             dtype: torch.dtype, device: torch.device) -> None:
+    """Fill every placeholder parameter of `model` from the checkpoint, checking names/shapes."""
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert set(expected) == set(recipe), sorted(set(expected) ^ set(recipe))
+    for src in recipe.values():   # validate everything before reading anything
+        for name, shape in src.tensors:
+            if name not in ckpt:
+                raise CheckpointError(f"{where} is missing tensor {name!r}")
+            if ckpt.shape(name) != shape:
+                raise CheckpointError(f"{where}: tensor {name!r} has shape "
+                                      f"{list(ckpt.shape(name))}, expected {list(shape)}")
+    state = {}
+    for ours, src in recipe.items():
+        parts = [ckpt.get(name).to(device=device, dtype=dtype) for name, _ in src.tensors]
+        if src.group:
+            parts = [torch.cat(parts[i:i + src.group]) for i in range(0, len(parts), src.group)]
+            value = torch.stack(parts)
+        else:
+            value = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        state[ours] = torch.nn.Parameter(value.contiguous(), requires_grad=False)
+        assert value.shape == expected[ours], (ours, value.shape, expected[ours])
+    model.load_state_dict(state, assign=True, strict=True)
+    for name, buf in model.named_buffers():   # buffers (RoPE tables) follow the device
+        *parent, leaf = name.split(".")
+        module = model.get_submodule(".".join(parent)) if parent else model
+        setattr(module, leaf, buf.to(device))
+
+
+# ------------------------------------------------------------------------------------ GGUF
+
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                      "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _gguf_field(reader, key, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp stores Llama q/k rows interleaved per head for its RoPE; undo it (rows of each
+    head back to the rotate-half order)."""
+    rows = w.shape[0]
+    return w.view(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
+    """A GGUF file as (Hugging Face style config dict, dequantized float32 tensors)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; "
+                          f"supported: {', '.join(_GGUF_ARCHS)}")
+    meta = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
+    tensors = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        if t.name in _GGUF_GLOBAL_NAMES:
+            tensors[_GGUF_GLOBAL_NAMES[t.name]] = w
+            continue
+        blk, layer, kind, suffix = t.name.split(".")
+        if blk != "blk" or kind not in _GGUF_LAYER_NAMES:
+            continue  # e.g. rope frequency tables, recomputed from the config
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            w = _unpermute_rope_rows(w, heads if kind == "attn_q" else kv_heads)
+        tensors[f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"] = w
+    hidden = meta("embedding_length")
+    cfg = {
+        "architectures": [_GGUF_ARCHS[arch]],
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": meta("attention.key_length", hidden // heads),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length", 4096),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    return cfg, DictCheckpoint(tensors)
+
+
+# ---------------------------------------------------------------------------------- public
+
+def _gguf_file(path: Path) -> Path | None:
+    if path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0]
+    return None
+
+
+def read_config(path: Path) -> dict:
+    config = path / "config.json"
+    if not config.exists():
+        raise CheckpointError(f"{path} has no config.json (nor a single .gguf file)")
+    try:
+        return json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config} is not valid JSON: {e}") from None
+
+
+def _resolve(path) -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    return path
+
+
+def load_target(path, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cpu") -> TargetModel:
+    """A target model from a Hugging Face directory or a GGUF file (dequantized on load)."""
+    path = _resolve(path)
+    gguf_file = _gguf_file(path)
+    if gguf_file is not None:
+        cfg_dict, ckpt = read_gguf(gguf_file)
+    else:
+        cfg_dict, ckpt = read_config(path), None
+    cfg = TargetConfig.from_hf(cfg_dict)
+    if ckpt is None:
+        ckpt = SafetensorsCheckpoint(path)
+    model = TargetModel(cfg)
+    assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device))
+    return model.eval()
+
+
+def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu") -> DFlashDraft:
+    """A DFlashDraftModel directory, validated against its target (SPEC section 2)."""
+    path = _resolve(path)
+    cfg = DraftConfig.from_hf(read_config(path), target)
+    model = DFlashDraft(cfg, target.attn.hidden_size)
+    assemble(model, draft_recipe(cfg, target.attn.hidden_size), SafetensorsCheckpoint(path),
+             str(path), dtype, torch.device(device))
+    return model.eval()
+
+
+def load_tokenizer(path):
+    """The checkpoint's tokenizer (with chat template), or None when it ships none."""
+    from transformers import AutoTokenizer
+
+    path = _resolve(path)
+    gguf_file = _gguf_file(path)
+    if gguf_file is not None:
+        return AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                             "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
