@@ -41,7 +41,8 @@ class DraftLayer(nn.Module):
         t, dtype = x.shape[0], x.dtype
         h = rms_norm(x, self.input_norm, self.eps)
         q = F.linear(h, self.q, self.q_bias).view(t, self.num_heads, self.head_dim)
-        k, v = F.linear(h, kv_weight, kv_bias).view(t, 2, self.num_kv_heads, self.head_dim).unbind(1)
+        kv = F.linear(h, kv_weight, kv_bias)
+        k, v = kv.view(t, 2, self.num_kv_heads, self.head_dim).unbind(1)
         q = apply_rope(rms_norm(q, self.q_norm, self.eps), cos_sin).to(dtype)
         k = apply_rope(rms_norm(k, k_norm, self.eps), cos_sin).to(dtype)
         x = x + F.linear(attend(q, k, v).reshape(t, -1), self.o, self.o_bias)
