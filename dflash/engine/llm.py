@@ -1,0 +1,239 @@
+"""`dflash.LLM`: load a target (and optionally a DFlash draft) and generate (SPEC 4.1)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from .. import sampling
+from ..models import load_draft, load_target, load_tokenizer
+from ..sampling import SamplingParams
+from .cache import BlockAllocator
+from .request import Request, RequestMetrics, RequestOutput
+from .worker import Worker
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    """Speculative decoding engine with continuous batching over paged caches.
+
+    Args:
+        target: Hugging Face directory or GGUF file of the target model.
+        draft: DFlashDraftModel directory, or None for target-only decoding (the baseline).
+        dtype: "bfloat16" (default), "float16" or "float32".
+        max_num_seqs: sequences decoded together (continuous batching).
+        block_size: DFlash block size B (default: the draft's; 1 without a draft).
+        kv_block_size: tokens per paged-cache block.
+        max_model_len: longest sequence (prompt + output) served; default min(4096, the target's
+            max_position_embeddings).
+        num_kv_blocks: cache blocks shared by all sequences; default enough for max_num_seqs
+            sequences of max_model_len tokens. A request is admitted only once the blocks for
+            its whole length (prompt + max_tokens + one block, capped by max_model_len) are
+            free, so running requests never run out: the others wait.
+        draft_sampling: "greedy" (argmax drafts, one-hot proposals) or "sample" (drafts sampled
+            from the draft's processed distribution, dense proposals).
+    """
+
+    def __init__(self, target, draft=None, dtype: str | torch.dtype = "bfloat16",
+                 device: str = "cpu", max_num_seqs: int = 8, block_size: int | None = None,
+                 kv_block_size: int = 16, max_model_len: int | None = None,
+                 num_kv_blocks: int | None = None, draft_sampling: str = "greedy",
+                 cp_size: int = 1, tokenizer=None):
+        if cp_size != 1:
+            raise ValueError(f"context parallelism (cp_size={cp_size}) is not supported; "
+                             "use cp_size=1")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if torch_dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        self.target = load_target(target, torch_dtype, device)
+        self.draft = None if draft is None else load_draft(draft, self.target.cfg, torch_dtype,
+                                                           device)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
+        if block_size is None:
+            block_size = 1 if self.draft is None else self.draft.cfg.block_size
+        if block_size < 1 or (self.draft is not None and block_size < 2):
+            raise ValueError(f"block_size must be >= 2 with a draft (>= 1 without), "
+                             f"got {block_size}")
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        limit = self.target.cos_sin.shape[0]
+        if self.draft is not None:
+            limit = min(limit, self.draft.cos_sin.shape[0])
+        self.max_model_len = min(max_model_len or 4096, limit)
+        blocks_per_seq = -(-(self.max_model_len + block_size) // kv_block_size)
+        self.allocator = BlockAllocator(num_kv_blocks or max_num_seqs * blocks_per_seq,
+                                        kv_block_size)
+        self.worker = Worker(self.target, self.draft, self.allocator.num_blocks, kv_block_size,
+                             block_size, draft_sampling)
+        self.stop_ids = set(self.target.cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.stop_ids.add(self.tokenizer.eos_token_id)
+        self.proposer = None     # tests may script the drafts (see Worker.step)
+        self._next_id = 0
+        self._totals: list[RequestMetrics] = []
+        self._elapsed = 0.0
+
+    # ---------------------------------------------------------------------------- prompts
+    def chat_prompt(self, message: str) -> str:
+        """`message` as a single-turn chat with the generation prompt, via the tokenizer's
+        chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the target has no tokenizer chat template")
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                                  tokenize=False, add_generation_prompt=True)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this target has no tokenizer: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = [int(t) for t in prompt]
+        vocab = self.target.cfg.vocab_size
+        if not ids:
+            raise ValueError("empty prompt")
+        if not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _request(self, prompt, params: SamplingParams) -> Request:
+        ids = self._encode(prompt)
+        if len(ids) + self.block_size > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit: prompt + one block of "
+                             f"{self.block_size} exceeds max_model_len {self.max_model_len}")
+        if self.allocator.blocks_for(self._reservation(len(ids), params)) > \
+                self.allocator.num_blocks:
+            raise ValueError(f"request of {len(ids)} prompt tokens + max_tokens "
+                             f"{params.max_tokens} does not fit in the {self.allocator.num_blocks}"
+                             f" cache blocks of {self.allocator.block_size} tokens: raise "
+                             "num_kv_blocks or lower max_tokens")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
+        request = Request(self._next_id, ids, params, sampling.make_generator(params),
+                          frozenset(stop))
+        self._next_id += 1
+        return request
+
+    def _reservation(self, prompt_len: int, params: SamplingParams) -> int:
+        """Cache tokens a request may ever need: its longest length plus one verify block."""
+        return min(prompt_len + params.max_tokens, self.max_model_len) + self.block_size
+
+    # --------------------------------------------------------------------------- generate
+    def generate(self, prompts: Sequence, sampling_params: SamplingParams |
+                 Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+                 on_tokens=None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, or a list of token ids); outputs in prompt order.
+
+        `on_tokens(request_index, new_token_ids)` is called as tokens are committed (streaming).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests = [self._request(p, sp) for p, sp in zip(prompts, params)]
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        progress = _progress(len(requests)) if use_tqdm else None
+        start = time.perf_counter()
+        for r in requests:
+            r.metrics.arrival_time = start
+
+        def commit(request, tokens):
+            before = len(request.output_ids)
+            request.append(tokens)
+            if on_tokens is not None:
+                on_tokens(index[request.request_id], request.output_ids[before:])
+            if len(request.tokens) + self.block_size > self.max_model_len and \
+                    not request.finished:
+                request.finish_reason = "length"
+                request.metrics.finish_time = time.perf_counter()
+
+        waiting, running = deque(requests), []
+        try:
+            while waiting or running:
+                admitted = []
+                while waiting and len(running) + len(admitted) < self.max_num_seqs and \
+                        self.allocator.grow(waiting[0].block_table, self._reservation(
+                            len(waiting[0].prompt_ids), waiting[0].params)):
+                    admitted.append(waiting.popleft())
+                if admitted:
+                    for r, token in zip(admitted, self.worker.prefill(admitted)):
+                        commit(r, [token])
+                    running += admitted
+                running = self._retire(running, progress)
+                if not running:
+                    if waiting and not admitted:   # all blocks are free: it must have fit
+                        raise RuntimeError("internal error: cache blocks were not returned")
+                    continue
+                emitted, accepted = self.worker.step(running, self.proposer)
+                for r, tokens, a in zip(running, emitted, accepted):
+                    if self.block_size > 1:
+                        r.metrics.record_step(self.block_size - 1, a)
+                    commit(r, tokens)
+                running = self._retire(running, progress)
+        finally:
+            for r in running:   # an error mid-run must not leak cache blocks
+                self.allocator.free(r.block_table)
+            if progress is not None:
+                progress.close()
+        self._elapsed += time.perf_counter() - start
+        self._totals += [r.metrics for r in requests]
+        return [self._output(r) for r in requests]
+
+    def _retire(self, running: list[Request], progress) -> list[Request]:
+        for r in running:
+            if r.finished:
+                self.allocator.free(r.block_table)
+                if progress is not None:
+                    progress.update(1)
+        return [r for r in running if not r.finished]
+
+    def _output(self, r: Request) -> RequestOutput:
+        text = None if self.tokenizer is None else \
+            self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return RequestOutput(r.request_id, r.prompt_ids, r.output_ids, text, r.finish_reason,
+                             r.metrics)
+
+    # ---------------------------------------------------------------------------- metrics
+    def metrics(self) -> dict:
+        """Totals over every request generated so far."""
+        m = self._totals
+        drafts = sum(x.num_drafts for x in m)
+        accepted = sum(x.num_accepted_tokens for x in m)
+        per_position = [0] * (self.block_size - 1)
+        for x in m:
+            for i, n in enumerate(x.accepted_per_position):
+                per_position[i] += n
+        tau = 1 + accepted / drafts if drafts else 1.0
+        generated = sum(x.generated_tokens for x in m)
+        ttft = [x.time_to_first_token for x in m if x.time_to_first_token is not None]
+        tpot = [x.time_per_output_token for x in m if x.time_per_output_token is not None]
+        return {
+            "requests": len(m),
+            "num_drafts": drafts,
+            "num_draft_tokens": sum(x.num_draft_tokens for x in m),
+            "num_accepted_tokens": accepted,
+            "accepted_per_position": per_position,
+            "mean_acceptance_length": tau,
+            "draft_acceptance_rate": (tau - 1) / (self.block_size - 1) if self.block_size > 1
+            else 0.0,
+            "generated_tokens": generated,
+            "elapsed_s": self._elapsed,
+            "throughput_tok_s": generated / self._elapsed if self._elapsed else 0.0,
+            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
+            "mean_tpot_s": sum(tpot) / len(tpot) if tpot else None,
+        }
+
+    def reset_metrics(self) -> None:
+        self._totals, self._elapsed = [], 0.0
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,163 @@
+"""The engine end to end on tiny random checkpoints (float32): losslessness against target-only
+decoding and Hugging Face greedy generation, scripted acceptance, sampling, cache accounting."""
+
+import pytest
+import torch
+
+from dflash import LLM, SamplingParams
+from dflash.testing import make_tiny_draft, make_tiny_target
+
+B = 8
+PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
+           for i, n in enumerate([5, 12, 3, 20, 9, 1, 15, 7])]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    hf = make_tiny_target(root / "target", "qwen3")
+    make_tiny_draft(root / "draft", root / "target", num_layers=2, block_size=B)
+    return root / "target", root / "draft", hf
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+    return LLM(models[0], dtype="float32", max_num_seqs=8)
+
+
+def _hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_batch_1_equals_target_only_and_transformers(models, baseline):
+    target, draft, hf = models
+    sp = SamplingParams(max_tokens=40)
+    dflash = LLM(target, draft, dtype="float32", max_num_seqs=1).generate(PROMPTS[1], sp)[0]
+    assert dflash.token_ids == baseline.generate(PROMPTS[1], sp)[0].token_ids \
+        == _hf_greedy(hf, PROMPTS[1], 40)
+    assert dflash.finish_reason == "length" and dflash.metrics.num_drafts > 0
+
+
+def test_greedy_continuous_batching_equals_target_only(models, baseline):
+    target, draft, hf = models
+    sp = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=3)
+    outs = llm.generate(PROMPTS, sp)
+    expected = baseline.generate(PROMPTS, sp)
+    for o, e, p, s in zip(outs, expected, PROMPTS, sp):
+        assert o.token_ids == e.token_ids == _hf_greedy(hf, p, s.max_tokens)
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+class ScriptedProposer:
+    """Proposes the target's own greedy continuation with the token at a planned position
+    corrupted, so the number of accepted drafts is chosen by the test."""
+
+    def __init__(self, continuations: dict, plans: dict, vocab: int):
+        self.continuations, self.plans, self.vocab = continuations, plans, vocab
+        self.used = {k: [] for k in plans}
+
+    def __call__(self, inputs):
+        rows = []
+        for r in inputs.requests:
+            key = tuple(r.prompt_ids)
+            plan = self.plans[key]
+            accept = plan[len(self.used[key]) % len(plan)]
+            self.used[key].append(accept)
+            n = len(r.output_ids)
+            drafts = list(self.continuations[key][n:n + inputs.block_size - 1])
+            if accept < len(drafts):
+                drafts[accept] = (drafts[accept] + 1) % self.vocab
+            rows.append(drafts)
+        return torch.tensor(rows), None
+
+
+def test_scripted_acceptance_every_length_and_exact_metrics(models, baseline):
+    target, _, _ = models
+    prompts = PROMPTS[:4]
+    long = baseline.generate(prompts, SamplingParams(max_tokens=60 + B))
+    plans = {tuple(p): plan for p, plan in zip(prompts, [
+        list(range(B)), [B - 1, 0, 3], [0, 0, 6, 2], [5, B - 1, 1]])}
+    llm = LLM(target, dtype="float32", max_num_seqs=4, block_size=B)
+    llm.proposer = ScriptedProposer({tuple(p): o.token_ids for p, o in zip(prompts, long)},
+                                    plans, 96)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=60))
+    seen = set()
+    for p, o, ref in zip(prompts, outs, long):
+        assert o.token_ids == ref.token_ids[:60]
+        used = llm.proposer.used[tuple(p)]
+        seen.update(used)
+        # the last step may commit past max_tokens; acceptance is what the sampler decided
+        assert o.metrics.num_drafts == len(used)
+        assert o.metrics.num_accepted_tokens == sum(used)
+        assert o.metrics.accepted_per_position == [sum(a > i for a in used) for i in range(B - 1)]
+    assert seen == set(range(B))
+    totals = llm.metrics()
+    assert totals["num_accepted_tokens"] == sum(sum(u) for u in llm.proposer.used.values())
+    assert totals["mean_acceptance_length"] == pytest.approx(
+        1 + totals["num_accepted_tokens"] / totals["num_drafts"])
+
+
+def test_stop_token_inside_accepted_block(models, baseline):
+    target, _, _ = models
+    ref = baseline.generate(PROMPTS[3], SamplingParams(max_tokens=40 + B))[0].token_ids
+    stop = ref[13]
+    first = ref.index(stop)
+    llm = LLM(target, dtype="float32", block_size=B)
+    llm.proposer = ScriptedProposer({tuple(PROMPTS[3]): ref}, {tuple(PROMPTS[3]): [B - 1]}, 96)
+    out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=40, stop_token_ids=[stop]))[0]
+    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
+
+
+def test_sampling_is_reproducible_with_a_seed(models):
+    target, draft, _ = models
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=4)
+    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=1234)
+    a = [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
+    b = [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
+    c = [o.token_ids for o in llm.generate(PROMPTS[:3], SamplingParams(temperature=0.8, top_k=20,
+                                                                         max_tokens=20, seed=99))]
+    assert a == b and a != c
+
+
+def test_no_cache_leak_after_200_requests(models):
+    target, draft, _ = models
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=16)
+    prompts = [PROMPTS[i % 8] for i in range(200)]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=1 + i % 7) for i in range(200)])
+    assert [len(o.token_ids) for o in outs] == [1 + i % 7 for i in range(200)]
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_requests_wait_for_cache_blocks(models, baseline):
+    target, draft, _ = models
+    # room for about one sequence at a time: the others wait, outputs are unchanged
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=4, kv_block_size=4,
+              num_kv_blocks=16, max_model_len=64)
+    sp = SamplingParams(max_tokens=30)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], sp)] == \
+        [o.token_ids for o in baseline.generate(PROMPTS[:3], sp)]
+
+
+def test_a_request_larger_than_the_cache_is_a_clear_error(models):
+    target, draft, _ = models
+    llm = LLM(target, draft, dtype="float32", kv_block_size=4, num_kv_blocks=5)
+    with pytest.raises(ValueError, match="does not fit in the 5 cache blocks of 4 tokens"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=100))
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_guards(models):
+    target, draft, _ = models
+    with pytest.raises(ValueError, match="context parallelism"):
+        LLM(target, draft, cp_size=2)
+    llm = LLM(target, draft, dtype="float32", max_model_len=32)
+    with pytest.raises(ValueError, match="prompt of 30 tokens does not fit"):
+        llm.generate([list(range(1, 31))])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([[1, 500]])
