@@ -73,9 +73,10 @@ class Request:
         self.generator = generator
         self.stop_ids = stop_ids
         self.block_table: list[int] = []
-        self.num_cached = 0               # tokens whose K/V (target) and context (draft) are cached
+        self.num_cached = 0   # tokens with cached target K/V and draft context
         self.finish_reason: str | None = None
-        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids), arrival_time=time.perf_counter())
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids),
+                                      arrival_time=time.perf_counter())
 
     @property
     def tokens(self) -> list[int]:

@@ -113,7 +113,7 @@ class Worker:
     @torch.inference_mode()
     def run_validate(self, inputs: StepInputs, draft_ids: torch.Tensor,
                      draft_probs: torch.Tensor | None):
-        """Verify [pending, drafts] causally; returns (emitted tokens, accepted counts, features)."""
+        """Verify [pending, drafts] causally; returns (emitted, accepted counts, features)."""
         bs, b = len(inputs.requests), inputs.block_size
         tokens = inputs.tokens.view(bs, b).clone()
         tokens[:, 1:] = draft_ids
