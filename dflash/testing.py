@@ -200,13 +200,6 @@ def make_tiny_draft(directory, target_dir, num_layers: int = 2, block_size: int 
 def sequence_metadata(start: int, length: int, blocks: list[int], block_size: int):
     """AttentionMetadata for one sequence adding tokens start..start+length-1 to a paged cache
     whose logical block i is physical block blocks[i]."""
-    from .models import AttentionMetadata
+    from .models.layers import build_metadata
 
-    positions = torch.arange(start, start + length)
-    table = torch.tensor(blocks, dtype=torch.long)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    return AttentionMetadata(
-        positions=positions, slot_mapping=slots,
-        block_table=torch.tensor([blocks], dtype=torch.int32),
-        context_lens=torch.tensor([start], dtype=torch.int32),
-        cu_query_lens=torch.tensor([0, length], dtype=torch.int32))
+    return build_metadata([blocks], [start], [length], block_size)

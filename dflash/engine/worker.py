@@ -18,6 +18,7 @@ import torch
 
 from .. import sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
+from ..models.layers import build_metadata
 from .request import Request
 
 
@@ -27,25 +28,6 @@ class StepInputs:
     tokens: torch.Tensor          # [Bs * B] block tokens (pending token, then masks)
     meta: AttentionMetadata       # positions / slots / tables shared by draft and target
     block_size: int
-
-
-def build_metadata(requests: list[Request], starts: list[int], lengths: list[int],
-                   kv_block_size: int, device) -> AttentionMetadata:
-    """Metadata for `lengths[b]` new tokens of each sequence starting at position `starts[b]`."""
-    width = max(len(r.block_table) for r in requests)
-    table = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in requests],
-                         dtype=torch.int64, device=device)
-    starts_t = torch.tensor(starts, device=device)
-    lengths_t = torch.tensor(lengths, device=device)
-    cu = torch.zeros(len(requests) + 1, dtype=torch.int64, device=device)
-    cu[1:] = lengths_t.cumsum(0)
-    seq = torch.repeat_interleave(torch.arange(len(requests), device=device), lengths_t)
-    positions = torch.arange(int(cu[-1]), device=device) - cu[seq] + starts_t[seq]
-    slots = table[seq, positions // kv_block_size] * kv_block_size + positions % kv_block_size
-    return AttentionMetadata(positions=positions, slot_mapping=slots,
-                             block_table=table.to(torch.int32),
-                             context_lens=starts_t.to(torch.int32),
-                             cu_query_lens=cu.to(torch.int32))
 
 
 class Worker:
@@ -69,8 +51,8 @@ class Worker:
     def prefill(self, requests: list[Request]) -> list[int]:
         """Run the prompts, fill the draft context, and return each request's first token."""
         lengths = [len(r.prompt_ids) for r in requests]
-        meta = build_metadata(requests, [0] * len(requests), lengths, self.kv_block_size,
-                              self.device)
+        meta = build_metadata([r.block_table for r in requests], [0] * len(requests), lengths,
+                              self.kv_block_size, self.device)
         tokens = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
         hidden, features = self.target(tokens, meta, self.target_cache, self.capture)
         logits = self.target.logits(hidden[meta.cu_query_lens[1:].long() - 1])
@@ -90,8 +72,8 @@ class Worker:
         tokens = torch.full((len(requests), b), -1 if self.mask_token_id is None
                             else self.mask_token_id, device=self.device)
         tokens[:, 0] = torch.tensor([r.output_ids[-1] for r in requests], device=self.device)
-        meta = build_metadata(requests, [r.num_cached for r in requests], [b] * len(requests),
-                              self.kv_block_size, self.device)
+        meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
+                              [b] * len(requests), self.kv_block_size, self.device)
         return StepInputs(requests, tokens.flatten(), meta, b)
 
     @torch.inference_mode()

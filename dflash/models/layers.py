@@ -26,6 +26,36 @@ class AttentionMetadata:
     cu_query_lens: torch.Tensor   # [B + 1] int32
 
 
+def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
+                   kv_block_size: int, device=None) -> AttentionMetadata:
+    """Metadata for `lengths[b]` new tokens of sequence b at positions starts[b].., whose logical
+    cache block i is physical block block_tables[b][i]."""
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
+                         device=device)
+    starts_t = torch.tensor(starts, device=device)
+    lengths_t = torch.tensor(lengths, device=device)
+    cu = torch.zeros(len(block_tables) + 1, dtype=torch.int64, device=device)
+    cu[1:] = lengths_t.cumsum(0)
+    seq = torch.repeat_interleave(torch.arange(len(block_tables), device=device), lengths_t)
+    positions = torch.arange(int(cu[-1]), device=device) - cu[seq] + starts_t[seq]
+    slots = table[seq, positions // kv_block_size] * kv_block_size + positions % kv_block_size
+    return AttentionMetadata(positions=positions, slot_mapping=slots,
+                             block_table=table.to(torch.int32),
+                             context_lens=starts_t.to(torch.int32),
+                             cu_query_lens=cu.to(torch.int32))
+
+
+def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> AttentionMetadata:
+    """Fresh sequences of `lengths` tokens, each in its own run of consecutive cache blocks."""
+    tables, first = [], 0
+    for n in lengths:
+        count = -(-n // kv_block_size)
+        tables.append(list(range(first, first + count)))
+        first += count
+    return build_metadata(tables, [0] * len(lengths), lengths, kv_block_size, device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, rounded once to x's dtype."""
     return reference.rms_norm(x, weight, eps).to(x.dtype)
