@@ -266,3 +266,19 @@ def test_target_wrong_shape_is_named(tmp_path, tiny_target):
     with pytest.raises(CheckpointError, match="'model.layers.0.mlp.gate_proj.weight' has shape "
                                               "\\[128, 64\\], expected \\[100, 64\\]"):
         load_target(tmp_path)
+
+
+def test_saved_draft_round_trips_to_the_same_tensors(tmp_path, tiny_target):
+    from safetensors.torch import load_file
+
+    from dflash.models.loader import save_draft
+    target_dir, target = tiny_target
+    original = make_tiny_draft(tmp_path / "a", target_dir, num_layers=3, attention_bias=True,
+                               shards=2)
+    save_draft(load_draft(tmp_path / "a", target.cfg, dtype=torch.float32), tmp_path / "b", 64,
+               dtype=torch.float32)
+    saved = load_file(tmp_path / "b" / "model.safetensors")
+    assert sorted(saved) == sorted(original)
+    assert all(torch.equal(saved[k], original[k]) for k in original)
+    assert load_draft(tmp_path / "b", target.cfg).cfg.target_layer_ids == \
+        load_draft(tmp_path / "a", target.cfg).cfg.target_layer_ids

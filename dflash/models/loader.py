@@ -328,3 +328,53 @@ def load_tokenizer(path):
                                              "tokenizer.model")):
         return None
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def disassemble(model: torch.nn.Module, recipe: dict[str, Source]) -> dict[str, torch.Tensor]:
+    """The inverse of `assemble`: checkpoint tensors (by their checkpoint names) from the fused
+    parameters."""
+    params = dict(model.named_parameters())
+    out = {}
+    for ours, src in recipe.items():
+        value = params[ours].detach()
+        if src.group:
+            runs = [src.tensors[i:i + src.group] for i in range(0, len(src.tensors), src.group)]
+            pieces = [(run, part) for run, part in zip(runs, value.unbind(0))]
+        else:
+            pieces = [(src.tensors, value)]
+        for run, part in pieces:
+            sizes = [shape[0] if shape else 1 for _, shape in run]
+            for (name, shape), chunk in zip(run, part.split(sizes) if len(run) > 1 else [part]):
+                out[name] = chunk.reshape(shape).contiguous().clone()
+    return out
+
+
+def save_draft(draft: DFlashDraft, directory, target_hidden: int, extra_config: dict | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write `draft` as a DFlashDraftModel checkpoint (SPEC section 2): config.json +
+    model.safetensors with per-layer k_proj / v_proj / k_norm and no `model.` prefix."""
+    from safetensors.torch import save_file
+
+    cfg = draft.cfg
+    a = cfg.attn
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(dtype) for k, v in
+               disassemble(draft, draft_recipe(cfg, target_hidden)).items()}
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": a.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+        "head_dim": a.head_dim, "intermediate_size": cfg.intermediate_size,
+        "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
+        "max_position_embeddings": a.max_position_embeddings,
+        "attention_bias": a.attention_bias, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": list(cfg.target_layer_ids)},
+        **(extra_config or {}),
+    }
+    if a.rope_scaling is not None:
+        config["rope_scaling"] = {"rope_type": "llama3", **a.rope_scaling}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

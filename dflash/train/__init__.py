@@ -1,0 +1,7 @@
+"""Draft training: data generation with the engine, the DFlash objective, the resumable loop."""
+
+from .data import generate_answers, load_prompts, read_answers
+from .trainer import TrainConfig, Trainer, heldout_tau, init_draft
+
+__all__ = ["TrainConfig", "Trainer", "generate_answers", "heldout_tau", "init_draft",
+           "load_prompts", "read_answers"]

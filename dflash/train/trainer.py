@@ -1,0 +1,209 @@
+"""`dflash train`: train a DFlash draft for a frozen target on the target's own answers.
+
+Resumable: everything (draft, optimizer, schedule position, data order, RNG, the log) lives in
+`<out>/checkpoint.pt`, written atomically every `checkpoint_every` steps; rerunning the same command
+continues where it stopped. Every checkpoint also exports `<out>/draft/`, a DFlashDraftModel
+directory any loader of z-lab drafts can read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..models import DFlashDraft, DraftConfig, TargetModel, default_target_layer_ids
+from ..models.config import AttentionConfig
+from ..models.loader import save_draft
+from .objective import Batch, block_logits, draft_loss, sample_anchors, target_features
+
+
+@dataclass
+class TrainConfig:
+    num_layers: int = 2
+    intermediate_size: int | None = None       # default: the target's
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: list[int] | None = None  # default: SPEC section 2 rule
+    gamma: float = 7.0
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    total_steps: int = 4000
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 32
+    grad_clip: float = 1.0
+    heldout: int = 16                          # answers kept out of training for tau estimates
+    checkpoint_every: int = 50
+    eval_every: int = 250
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def draft_config(target: TargetModel, tc: TrainConfig) -> DraftConfig:
+    t = target.cfg.attn
+    ids = tc.target_layer_ids or default_target_layer_ids(target.cfg.num_layers, tc.num_layers)
+    attn = AttentionConfig(hidden_size=t.hidden_size, num_heads=t.num_heads,
+                           num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
+                           rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta,
+                           rope_scaling=t.rope_scaling,
+                           max_position_embeddings=t.max_position_embeddings,
+                           attention_bias=False)
+    return DraftConfig(attn=attn, num_layers=tc.num_layers,
+                       intermediate_size=tc.intermediate_size or target.cfg.intermediate_size,
+                       block_size=tc.block_size, mask_token_id=tc.mask_token_id,
+                       target_layer_ids=tuple(ids))
+
+
+def init_draft(cfg: DraftConfig, target_hidden: int, seed: int) -> DFlashDraft:
+    """A trainable draft: float32 weights ~ N(0, 0.02), norm weights 1."""
+    draft = DFlashDraft(cfg, target_hidden)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in list(draft.named_parameters()):
+        value = torch.ones(p.shape) if name.endswith("norm") else \
+            torch.randn(p.shape, generator=g) * 0.02
+        *parent, leaf = name.split(".")
+        module = draft.get_submodule(".".join(parent)) if parent else draft
+        setattr(module, leaf, torch.nn.Parameter(value))
+    return draft
+
+
+def learning_rate(tc: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.total_steps - tc.warmup_steps))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * cosine)
+
+
+def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> float:
+    """Mean acceptance length of greedy DFlash decoding of held-out target answers, simulated
+    from the draft's block predictions at every answer position (no engine needed)."""
+    steps = committed = 0
+    for row in rows:
+        tokens = torch.tensor(row["prompt_ids"] + row["answer_ids"])
+        start = len(row["prompt_ids"])
+        anchors = torch.arange(start, len(tokens) - 1)
+        if not len(anchors):
+            continue
+        batch = Batch([tokens], [anchors])
+        features = target_features(target, batch.tokens, draft.cfg.target_layer_ids)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, labels = block_logits(draft, target, batch, features)
+        hits = (logits.argmax(-1) == labels).int()
+        pos = start   # the block anchored at pos re-feeds the last committed token
+        while pos < len(tokens) - 1:
+            accepted = int(hits[pos - start].cumprod(0).sum())
+            steps, committed = steps + 1, committed + accepted + 1
+            pos += accepted + 1
+    return committed / steps if steps else 1.0
+
+
+class Trainer:
+    def __init__(self, target: TargetModel, answers: list[dict], out_dir, tc: TrainConfig):
+        self.target, self.tc, self.out = target, tc, Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        usable = [r for r in answers if len(r["answer_ids"]) >= 2]
+        self.heldout, self.train_rows = usable[:tc.heldout], usable[tc.heldout:]
+        if not self.train_rows:
+            raise ValueError("no training answers (each needs at least 2 answer tokens)")
+        self.cfg = draft_config(target, tc)
+        self.draft = init_draft(self.cfg, target.cfg.attn.hidden_size, tc.seed)
+        self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=tc.lr,
+                                           weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+        self.step, self.elapsed, self.log = 0, 0.0, []
+        self.generator = torch.Generator().manual_seed(tc.seed)
+        self.order: list[int] = []
+        self._resume()
+
+    # ----------------------------------------------------------------------- checkpoints
+    def _resume(self) -> None:
+        path = self.out / "checkpoint.pt"
+        if not path.exists():
+            return
+        state = torch.load(path, weights_only=False)
+        self.draft.load_state_dict(state["draft"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.elapsed, self.log = state["step"], state["elapsed"], state["log"]
+        self.order = state["order"]
+        self.generator.set_state(state["generator"])
+
+    def save(self) -> None:
+        state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step, "elapsed": self.elapsed, "log": self.log,
+                 "order": self.order, "generator": self.generator.get_state(),
+                 "config": asdict(self.tc)}
+        tmp = self.out / "checkpoint.pt.tmp"
+        torch.save(state, tmp)
+        tmp.replace(self.out / "checkpoint.pt")
+        save_draft(self.draft, self.out / "draft", self.target.cfg.attn.hidden_size,
+                   extra_config={"dflash_training": {"step": self.step,
+                                                     "elapsed_s": round(self.elapsed)}})
+        (self.out / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.log))
+
+    # ---------------------------------------------------------------------------- train
+    def _next_batch(self) -> Batch:
+        tokens, anchors = [], []
+        for _ in range(self.tc.seqs_per_step):
+            if not self.order:   # a new epoch: fresh shuffle from the saved generator
+                self.order = torch.randperm(len(self.train_rows),
+                                            generator=self.generator).tolist()
+            row = self.train_rows[self.order.pop()]
+            t = torch.tensor(row["prompt_ids"] + row["answer_ids"])
+            tokens.append(t)
+            anchors.append(sample_anchors(len(row["prompt_ids"]), len(t),
+                                          self.tc.anchors_per_seq, self.generator))
+        return Batch(tokens, anchors)
+
+    def train_step(self) -> dict:
+        batch = self._next_batch()
+        features = target_features(self.target, batch.tokens, self.cfg.target_layer_ids)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.tc, self.step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, correct, counts = draft_loss(self.draft, self.target, batch, features,
+                                               self.tc.gamma)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.tc.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return {"loss": loss.item(), "correct": correct, "counts": counts}
+
+    def run(self, max_minutes: float | None = None, stop_at: int | None = None) -> None:
+        """Train to total_steps, or until `max_minutes` pass or step `stop_at` is reached
+        (the learning-rate schedule always follows total_steps)."""
+        deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+        last = min(self.tc.total_steps, stop_at or self.tc.total_steps)
+        window: list[dict] = []
+        bar = tqdm(total=self.tc.total_steps, initial=self.step, desc="train", unit="step")
+        while self.step < last and (deadline is None or time.time() < deadline):
+            start = time.perf_counter()
+            window.append(self.train_step())
+            self.elapsed += time.perf_counter() - start
+            bar.update(1)
+            correct = sum(w["correct"] for w in window)
+            counts = sum(w["counts"] for w in window).clamp(min=1)
+            acc = (correct / counts).tolist()
+            bar.set_postfix(loss=f"{sum(w['loss'] for w in window) / len(window):.3f}",
+                            acc1=f"{acc[0]:.2f}", acc=" ".join(f"{a:.2f}" for a in acc[:6]))
+            if self.step % self.tc.eval_every == 0 or self.step % self.tc.checkpoint_every == 0:
+                entry = {"step": self.step, "elapsed_s": round(self.elapsed, 1),
+                         "loss": sum(w["loss"] for w in window) / len(window),
+                         "acc_per_position": [round(a, 4) for a in acc]}
+                if self.step % self.tc.eval_every == 0 and self.heldout:
+                    entry["heldout_tau"] = round(heldout_tau(self.draft, self.target,
+                                                             self.heldout), 3)
+                    tqdm.write(f"step {self.step}: held-out tau {entry['heldout_tau']}")
+                self.log.append(entry)
+                window = []
+                self.save()
+        bar.close()
+        self.save()
