@@ -85,8 +85,8 @@ class ContextKvEpilogue {
 
   // The per-layer k_norm weights in float, laid out like one head: [layer][x1 | x2] halves.
   __aicore__ inline void LoadNormWeights() {
-    AscendC::DataCopyExtParams rows{static_cast<uint16_t>(2 * t_.layers), static_cast<uint32_t>(half_ * sizeof(T)),
-                                    0, 0, 0};
+    AscendC::DataCopyExtParams rows{static_cast<uint16_t>(2 * t_.layers),
+                                    static_cast<uint32_t>(half_ * sizeof(T)), 0, 0, 0};
     AscendC::DataCopyPadExtParams<T> zeroPad{true, 0, static_cast<uint8_t>(t_.half_pad - half_), 0};
     LocalTensor<float> w = weightBuf_.Get<float>();
     if constexpr (kFloat) {
@@ -97,7 +97,8 @@ class ContextKvEpilogue {
     AscendC::SetFlag<HardEvent::MTE2_V>(0);
     AscendC::WaitFlag<HardEvent::MTE2_V>(0);
     if constexpr (!kFloat) {
-      AscendC::Cast(w, weightRawBuf_.Get<T>(), AscendC::RoundMode::CAST_NONE, 2 * t_.layers * t_.half_pad);
+      AscendC::Cast(w, weightRawBuf_.Get<T>(), AscendC::RoundMode::CAST_NONE,
+                    2 * t_.layers * t_.half_pad);
     }
     AscendC::Duplicate(onesBuf_.Get<float>(), 1.0f, t_.kv_heads * kSlot);
     AscendC::PipeBarrier<PIPE_V>();
@@ -120,7 +121,8 @@ class ContextKvEpilogue {
     AscendC::DataCopyExtParams halves{static_cast<uint16_t>(2 * t_.kv_heads),
                                       static_cast<uint32_t>(half_ * sizeof(T)), 0, 0, 0};
     AscendC::DataCopyPadExtParams<T> zeroPad{true, 0, static_cast<uint8_t>(t_.half_pad - half_), 0};
-    AscendC::DataCopyPad(raw, kv_[t * rowElems_ + 2 * l * t_.kv_heads * t_.head_dim], halves, zeroPad);
+    AscendC::DataCopyPad(raw, kv_[t * rowElems_ + 2 * l * t_.kv_heads * t_.head_dim], halves,
+                         zeroPad);
     kInQue_.EnQue(raw);
     raw = kInQue_.template DeQue<T>();
 
@@ -145,7 +147,8 @@ class ContextKvEpilogue {
     const uint32_t n = t_.kv_heads * kSlot;
     AscendC::Mul(sq, x, x, lanes_);
     AscendC::PipeBarrier<PIPE_V>();
-    for (uint32_t h = 0; h < t_.kv_heads; ++h) AscendC::ReduceSum(sums[h * kSlot], sq[h * headLanes_], tmp, headLanes_);
+    for (uint32_t h = 0; h < t_.kv_heads; ++h)
+      AscendC::ReduceSum(sums[h * kSlot], sq[h * headLanes_], tmp, headLanes_);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Muls(sums, sums, 1.0f / static_cast<float>(t_.head_dim), n);
     AscendC::PipeBarrier<PIPE_V>();
@@ -161,7 +164,8 @@ class ContextKvEpilogue {
     }
     AscendC::PipeBarrier<PIPE_V>();
     LocalTensor<float> w = weightBuf_.Get<float>()[l * headLanes_];
-    for (uint32_t h = 0; h < t_.kv_heads; ++h) AscendC::Mul(x[h * headLanes_], x[h * headLanes_], w, headLanes_);
+    for (uint32_t h = 0; h < t_.kv_heads; ++h)
+      AscendC::Mul(x[h * headLanes_], x[h * headLanes_], w, headLanes_);
     AscendC::PipeBarrier<PIPE_V>();
   }
 
@@ -223,16 +227,17 @@ class ContextKvEpilogue {
   AscendC::TPipe pipe_;
   AscendC::TQue<TPosition::VECIN, kBufferNum> kInQue_;
   AscendC::TQue<TPosition::VECOUT, kBufferNum> kOutQue_;
-  AscendC::TBuf<TPosition::VECCALC> xBuf_, weightRawBuf_, yBuf_, tBuf_, weightBuf_, cosSinBuf_, vBuf_, sumBuf_,
-      onesBuf_, tmpBuf_;
+  AscendC::TBuf<TPosition::VECCALC> xBuf_, weightRawBuf_, yBuf_, tBuf_, weightBuf_, cosSinBuf_,
+      vBuf_, sumBuf_, onesBuf_, tmpBuf_;
   AscendC::GlobalTensor<T> kv_, weights_;
   AscendC::GlobalTensor<float> cosSin_;
   AscendC::GlobalTensor<int64_t> positions_, slots_, cacheTable_;
 };
 
 template <typename T>
-__aicore__ inline void RunContextKv(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions, GM_ADDR cos_sin,
-                                    GM_ADDR slot_mapping, GM_ADDR cache_table, GM_ADDR tiling) {
+__aicore__ inline void RunContextKv(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions,
+                                    GM_ADDR cos_sin, GM_ADDR slot_mapping, GM_ADDR cache_table,
+                                    GM_ADDR tiling) {
   ContextKvEpilogue<T> op;
   op.Init(kv, k_norm_weight, positions, cos_sin, slot_mapping, cache_table, tiling);
   op.Process();
@@ -240,11 +245,11 @@ __aicore__ inline void RunContextKv(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR p
 
 }  // namespace
 
-#define DFLASH_CONTEXT_KV_KERNEL(NAME, TYPE)                                                             \
-  extern "C" __global__ __aicore__ void NAME(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions,      \
-                                             GM_ADDR cos_sin, GM_ADDR slot_mapping, GM_ADDR cache_table, \
-                                             GM_ADDR tiling) {                                           \
-    RunContextKv<TYPE>(kv, k_norm_weight, positions, cos_sin, slot_mapping, cache_table, tiling);        \
+#define DFLASH_CONTEXT_KV_KERNEL(NAME, TYPE)                                                       \
+  extern "C" __global__ __aicore__ void NAME(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions, \
+                                             GM_ADDR cos_sin, GM_ADDR slot_mapping,                \
+                                             GM_ADDR cache_table, GM_ADDR tiling) {                \
+    RunContextKv<TYPE>(kv, k_norm_weight, positions, cos_sin, slot_mapping, cache_table, tiling);  \
   }
 DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_fp32, float)
 DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_fp16, half)
@@ -255,20 +260,21 @@ DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_bf16, bfloat16_t)
 // Host-side entry for csrc/npu/ (dtype 0: float32, 1: float16, 2: bfloat16). The <<<>>> launch
 // needs the Ascend C toolchain, so this wrapper is compiled with the kernels.
 extern "C" void dflash_context_kv_launch(uint32_t block_dim, void* stream, int dtype, uint8_t* kv,
-                                         uint8_t* k_norm_weight, uint8_t* positions, uint8_t* cos_sin,
-                                         uint8_t* slot_mapping, uint8_t* cache_table, uint8_t* tiling) {
+                                         uint8_t* k_norm_weight, uint8_t* positions,
+                                         uint8_t* cos_sin, uint8_t* slot_mapping,
+                                         uint8_t* cache_table, uint8_t* tiling) {
   switch (dtype) {
     case 0:
-      dflash_context_kv_fp32<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin, slot_mapping,
-                                                             cache_table, tiling);
+      dflash_context_kv_fp32<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin,
+                                                             slot_mapping, cache_table, tiling);
       break;
     case 1:
-      dflash_context_kv_fp16<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin, slot_mapping,
-                                                             cache_table, tiling);
+      dflash_context_kv_fp16<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin,
+                                                             slot_mapping, cache_table, tiling);
       break;
     default:
-      dflash_context_kv_bf16<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin, slot_mapping,
-                                                             cache_table, tiling);
+      dflash_context_kv_bf16<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin,
+                                                             slot_mapping, cache_table, tiling);
       break;
   }
 }

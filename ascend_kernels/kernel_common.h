@@ -26,11 +26,11 @@ __aicore__ inline void LoadTiling(T& tiling, GM_ADDR src) {
   for (uint32_t i = 0; i < sizeof(T) / sizeof(uint32_t); ++i) words[i] = gm[i];
 }
 
-// GM -> UB of `count` contiguous elements: DataCopy when it is whole 32-byte blocks, else DataCopyPad
-// (a DataCopy would drop the tail).
+// GM -> UB of `count` contiguous elements: DataCopy when it is whole 32-byte blocks, else
+// DataCopyPad (a DataCopy would drop the tail).
 template <typename T>
-__aicore__ inline void CopyIn(const AscendC::LocalTensor<T>& dst, const AscendC::GlobalTensor<T>& src,
-                              uint32_t count) {
+__aicore__ inline void CopyIn(const AscendC::LocalTensor<T>& dst,
+                              const AscendC::GlobalTensor<T>& src, uint32_t count) {
   if (count * sizeof(T) % 32 == 0) {
     AscendC::DataCopy(dst, src, count);
   } else {
@@ -43,8 +43,8 @@ __aicore__ inline void CopyIn(const AscendC::LocalTensor<T>& dst, const AscendC:
 // UB -> GM of exactly `count` elements (DataCopyPad never writes past the end, so neighbouring rows
 // owned by other blocks stay intact).
 template <typename T>
-__aicore__ inline void CopyOut(const AscendC::GlobalTensor<T>& dst, const AscendC::LocalTensor<T>& src,
-                               uint32_t count) {
+__aicore__ inline void CopyOut(const AscendC::GlobalTensor<T>& dst,
+                               const AscendC::LocalTensor<T>& src, uint32_t count) {
   AscendC::DataCopyExtParams params{1, static_cast<uint32_t>(count * sizeof(T)), 0, 0, 0};
   AscendC::DataCopyPad(dst, src, params);
 }

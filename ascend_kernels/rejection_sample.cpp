@@ -13,7 +13,8 @@ using AscendC::HardEvent;
 using AscendC::LocalTensor;
 using AscendC::TPosition;
 
-constexpr int32_t kBufferNum = 2;  // double buffering: the next tile's DMA overlaps this tile's math
+constexpr int32_t kBufferNum =
+    2;  // double buffering: the next tile's DMA overlaps this tile's math
 
 // How one pass turns the tiles of p (and q, e) into the weights whose argmax it returns.
 enum class Weights {
@@ -24,8 +25,8 @@ enum class Weights {
 };
 
 struct PassResult {
-  uint32_t index;        // first index of the maximal weight
-  float residual_max;    // max of the residual (residual passes only)
+  uint32_t index;      // first index of the maximal weight
+  float residual_max;  // max of the residual (residual passes only)
 };
 
 class RejectionSampler {
@@ -191,8 +192,8 @@ class RejectionSampler {
   // Folds tile `w` (n weights starting at vocabulary index `start`) into the running argmax. Only
   // when the tile's maximum beats the best so far does it locate the first index of that maximum:
   // Compare(w == max) selects ramp indices, and the smallest selected index wins.
-  __aicore__ inline void TileArgmax(const LocalTensor<float>& w, uint32_t n, uint32_t start, bool residual,
-                                    float& best, PassResult& result) {
+  __aicore__ inline void TileArgmax(const LocalTensor<float>& w, uint32_t n, uint32_t start,
+                                    bool residual, float& best, PassResult& result) {
     LocalTensor<float> scalars = scalarBuf_.Get<float>();
     LocalTensor<float> tmp = tmpBuf_.Get<float>();
     LocalTensor<float> cand = candBuf_.Get<float>();
@@ -223,7 +224,8 @@ class RejectionSampler {
   }
 
   // out_ids[b] = accepted drafts, the last token, then -1; num_accepted[b] = accepted.
-  __aicore__ inline void WriteRow(uint32_t b, uint32_t accepted, uint32_t last, bool previousInFlight) {
+  __aicore__ inline void WriteRow(uint32_t b, uint32_t accepted, uint32_t last,
+                                  bool previousInFlight) {
     if (previousInFlight) AscendC::WaitFlag<HardEvent::MTE3_S>(0);  // rows are reused
     LocalTensor<int64_t> row = rowBuf_.Get<int64_t>();
     LocalTensor<int64_t> count = countBuf_.Get<int64_t>();
@@ -236,7 +238,8 @@ class RejectionSampler {
     count.SetValue(0, accepted);
     AscendC::SetFlag<HardEvent::S_MTE3>(0);
     AscendC::WaitFlag<HardEvent::S_MTE3>(0);
-    dflash_kernels::CopyOut(outIds_[static_cast<uint64_t>(b) * (t_.drafts + 1)], row, t_.drafts + 1);
+    dflash_kernels::CopyOut(outIds_[static_cast<uint64_t>(b) * (t_.drafts + 1)], row,
+                            t_.drafts + 1);
     dflash_kernels::CopyOut(numAccepted_[b], count, 1);
     AscendC::SetFlag<HardEvent::MTE3_S>(0);
   }
@@ -253,24 +256,24 @@ class RejectionSampler {
 
 }  // namespace
 
-extern "C" __global__ __aicore__ void dflash_rejection_sample(GM_ADDR draft_ids, GM_ADDR draft_probs,
-                                                              GM_ADDR target_probs, GM_ADDR is_greedy,
-                                                              GM_ADDR uniform, GM_ADDR exponential,
-                                                              GM_ADDR out_ids, GM_ADDR num_accepted,
-                                                              GM_ADDR tiling) {
+extern "C" __global__ __aicore__ void dflash_rejection_sample(
+    GM_ADDR draft_ids, GM_ADDR draft_probs, GM_ADDR target_probs, GM_ADDR is_greedy,
+    GM_ADDR uniform, GM_ADDR exponential, GM_ADDR out_ids, GM_ADDR num_accepted, GM_ADDR tiling) {
   RejectionSampler sampler;
-  sampler.Init(draft_ids, draft_probs, target_probs, is_greedy, uniform, exponential, out_ids, num_accepted,
-               tiling);
+  sampler.Init(draft_ids, draft_probs, target_probs, is_greedy, uniform, exponential, out_ids,
+               num_accepted, tiling);
   sampler.Process();
 }
 
 #ifndef DFLASH_ASCEND_EMU
 // Host-side entry for csrc/npu/: the <<<>>> launch must be compiled by the Ascend C toolchain.
 extern "C" void dflash_rejection_sample_launch(uint32_t block_dim, void* stream, uint8_t* draft_ids,
-                                               uint8_t* draft_probs, uint8_t* target_probs, uint8_t* is_greedy,
-                                               uint8_t* uniform, uint8_t* exponential, uint8_t* out_ids,
+                                               uint8_t* draft_probs, uint8_t* target_probs,
+                                               uint8_t* is_greedy, uint8_t* uniform,
+                                               uint8_t* exponential, uint8_t* out_ids,
                                                uint8_t* num_accepted, uint8_t* tiling) {
-  dflash_rejection_sample<<<block_dim, nullptr, stream>>>(draft_ids, draft_probs, target_probs, is_greedy,
-                                                         uniform, exponential, out_ids, num_accepted, tiling);
+  dflash_rejection_sample<<<block_dim, nullptr, stream>>>(draft_ids, draft_probs, target_probs,
+                                                          is_greedy, uniform, exponential, out_ids,
+                                                          num_accepted, tiling);
 }
 #endif

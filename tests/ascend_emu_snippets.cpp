@@ -25,7 +25,8 @@ void CopyOut(const GlobalTensor<float>& dst, const LocalTensor<float>& src, uint
   DataCopyPad(dst, src, DataCopyExtParams{1, static_cast<uint32_t>(n * sizeof(float)), 0, 0, 0});
 }
 
-// ---- dma-granularity: DataCopy moves whole 32-byte blocks ----------------------------------------
+// ---- dma-granularity: DataCopy moves whole 32-byte blocks
+// ----------------------------------------
 
 void dma_granularity_bad(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
@@ -47,7 +48,8 @@ void dma_granularity_ok(GM_ADDR i, GM_ADDR o) {  // out[0:9] = in[0:9], nothing 
   CopyOut(gm.out, buf.Get<float>(), 9);
 }
 
-// ---- alignment: UB operands start on 32-byte boundaries --------------------------------------------
+// ---- alignment: UB operands start on 32-byte boundaries
+// --------------------------------------------
 
 void alignment_bad(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
@@ -68,7 +70,8 @@ void alignment_ok(GM_ADDR i, GM_ADDR o) {  // out[0:8] = 1
   CopyOut(gm.out, buf.Get<float>()[8], 8);
 }
 
-// ---- ub-bounds: an operand stays inside its buffer -------------------------------------------------
+// ---- ub-bounds: an operand stays inside its buffer
+// -------------------------------------------------
 
 void ub_bounds_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
@@ -77,7 +80,8 @@ void ub_bounds_bad(GM_ADDR, GM_ADDR) {
   Duplicate(buf.Get<float>(), 0.0f, 128);
 }
 
-// ---- ub-budget: 192 KiB of unified buffer per core -------------------------------------------------
+// ---- ub-budget: 192 KiB of unified buffer per core
+// -------------------------------------------------
 
 void ub_budget_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
@@ -95,7 +99,8 @@ void ub_budget_ok(GM_ADDR, GM_ADDR) {
   pipe.InitBuffer(c, 64 * 1024);
 }
 
-// ---- queue-depth: buffers, queue depth, empty queues ----------------------------------------------
+// ---- queue-depth: buffers, queue depth, empty queues
+// ----------------------------------------------
 
 void queue_alloc_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
@@ -145,7 +150,8 @@ void queue_deque_bad(GM_ADDR, GM_ADDR) {
   que.DeQue<float>();
 }
 
-// ---- bf16-arith: no bf16 arithmetic on A2; cast to float ------------------------------------------
+// ---- bf16-arith: no bf16 arithmetic on A2; cast to float
+// ------------------------------------------
 
 void bf16_arith_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
@@ -223,7 +229,8 @@ void reduce_max_index_ok(GM_ADDR i, GM_ADDR o) {
   CopyOut(gm.out, w.Get<float>(), 2);
 }
 
-// ---- compare-256: Compare works on whole 256-byte repeats -----------------------------------------
+// ---- compare-256: Compare works on whole 256-byte repeats
+// -----------------------------------------
 
 void compare_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
@@ -254,7 +261,8 @@ void compare_ok(GM_ADDR i, GM_ADDR o) {  // out[0:64] = in < in[64:128] ? in : -
   CopyOut(gm.out, x[128], 64);
 }
 
-// ---- poison: fresh UB and unpadded DataCopyPad lanes hold NaN patterns ----------------------------
+// ---- poison: fresh UB and unpadded DataCopyPad lanes hold NaN patterns
+// ----------------------------
 
 void Sum(const Gm& gm, const LocalTensor<float>& x, const LocalTensor<float>& work, uint32_t n) {
   ReduceSum(work, x, work[8], n);
@@ -306,7 +314,8 @@ void PadSum(GM_ADDR i, GM_ADDR o, bool isPad) {  // out[0] = sum of 5 loaded + 3
 void poison_pad_bad(GM_ADDR i, GM_ADDR o) { PadSum(i, o, false); }
 void poison_pad_ok(GM_ADDR i, GM_ADDR o) { PadSum(i, o, true); }
 
-// ---- overlap: operands overlap only as an identical in-place destination ---------------------------
+// ---- overlap: operands overlap only as an identical in-place destination
+// ---------------------------
 
 void OverlapAdd(GM_ADDR i, GM_ADDR o, uint32_t dst) {  // out[0:64] = in[0:64] + in[64:128]
   Gm gm(i, o);
@@ -326,7 +335,8 @@ void OverlapAdd(GM_ADDR i, GM_ADDR o, uint32_t dst) {  // out[0:64] = in[0:64] +
 void overlap_bad(GM_ADDR i, GM_ADDR o) { OverlapAdd(i, o, 8); }
 void overlap_ok(GM_ADDR i, GM_ADDR o) { OverlapAdd(i, o, 0); }
 
-// ---- sync: pipes run asynchronously; flags and barriers order them ---------------------------------
+// ---- sync: pipes run asynchronously; flags and barriers order them
+// ---------------------------------
 
 void MaxOfInput(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0] = max(in[0:64]) via a scalar read
   Gm gm(i, o);
@@ -353,7 +363,8 @@ void MaxOfInput(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0] = max(in[0:64]) vi
 void sync_v_s_bad(GM_ADDR i, GM_ADDR o) { MaxOfInput(i, o, false); }
 void sync_v_s_ok(GM_ADDR i, GM_ADDR o) { MaxOfInput(i, o, true); }
 
-void ScaleShift(GM_ADDR i, GM_ADDR o, bool loadFlag, bool barrier, bool storeFlag) {  // out = 2 in + 1
+void ScaleShift(GM_ADDR i, GM_ADDR o, bool loadFlag, bool barrier,
+                bool storeFlag) {  // out = 2 in + 1
   Gm gm(i, o);
   TPipe pipe;
   TBuf<TPosition::VECCALC> f;
@@ -378,6 +389,35 @@ void sync_mte2_v_bad(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, false, true, true)
 void sync_v_v_bad(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, true, false, true); }
 void sync_v_mte3_bad(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, true, true, false); }
 void sync_ok(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, true, true, true); }
+
+// Reloading a buffer the vector unit may still be reading needs V_MTE2 first.
+void Reload(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0:64] = 2 in[0:64] + in[64:128]
+  Gm gm(i, o);
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> f, g;
+  pipe.InitBuffer(f, 64 * sizeof(float));
+  pipe.InitBuffer(g, 64 * sizeof(float));
+  LocalTensor<float> x = f.Get<float>(), y = g.Get<float>();
+  DataCopy(x, gm.in, 64);
+  SetFlag<HardEvent::MTE2_V>(0);
+  WaitFlag<HardEvent::MTE2_V>(0);
+  Muls(y, x, 2.0f, 64);
+  if (flag) {
+    SetFlag<HardEvent::V_MTE2>(0);
+    WaitFlag<HardEvent::V_MTE2>(0);
+  }
+  DataCopy(x, gm.in[64], 64);
+  SetFlag<HardEvent::MTE2_V>(0);
+  WaitFlag<HardEvent::MTE2_V>(0);
+  PipeBarrier<PIPE_V>();
+  Add(y, y, x, 64);
+  SetFlag<HardEvent::V_MTE3>(0);
+  WaitFlag<HardEvent::V_MTE3>(0);
+  CopyOut(gm.out, y, 64);
+}
+
+void sync_war_bad(GM_ADDR i, GM_ADDR o) { Reload(i, o, false); }
+void sync_war_ok(GM_ADDR i, GM_ADDR o) { Reload(i, o, true); }
 
 // A queue's EnQue/DeQue and FreeTensor/AllocTensor carry the flags themselves.
 void sync_queue_ok(GM_ADDR i, GM_ADDR o) {  // out[0:128] = 2 in[0:128] + 1, two tiles
@@ -421,7 +461,8 @@ void event_ok(GM_ADDR, GM_ADDR) {
 }
 void pipe_s_bad(GM_ADDR, GM_ADDR) { PipeBarrier<PIPE_S>(); }
 
-// ---- gm-bounds: GM accesses stay inside the tensors passed; inputs are read-only -------------------
+// ---- gm-bounds: GM accesses stay inside the tensors passed; inputs are read-only
+// -------------------
 
 void gm_bounds_bad(GM_ADDR i, GM_ADDR) {
   GlobalTensor<float> in;
@@ -444,7 +485,8 @@ void gm_readonly_bad(GM_ADDR i, GM_ADDR) {
   DataCopy(in, f.Get<float>(), 8);
 }
 
-// ---- block-race and launch order: blocks run in any order, so they must write disjoint GM ---------
+// ---- block-race and launch order: blocks run in any order, so they must write disjoint GM
+// ---------
 
 void BlockWrites(GM_ADDR o, uint32_t slot) {  // out[8 slot : 8 slot + 8] = (idx, num, ...)
   GlobalTensor<float> out;
@@ -472,20 +514,48 @@ struct Entry {
 
 #define SNIPPET(NAME, BLOCKS) {#NAME, BLOCKS, NAME}
 const Entry kSnippets[] = {
-    SNIPPET(dma_granularity_bad, 1), SNIPPET(dma_granularity_ok, 1), SNIPPET(alignment_bad, 1),
-    SNIPPET(alignment_ok, 1),        SNIPPET(ub_bounds_bad, 1),      SNIPPET(ub_budget_bad, 1),
-    SNIPPET(ub_budget_ok, 1),        SNIPPET(queue_alloc_bad, 1),    SNIPPET(queue_alloc_ok, 1),
-    SNIPPET(queue_enque_bad, 1),     SNIPPET(queue_enque_ok, 1),     SNIPPET(queue_deque_bad, 1),
-    SNIPPET(bf16_arith_bad, 1),      SNIPPET(bf16_arith_ok, 1),      SNIPPET(cast_roundtrip_ok, 1),
-    SNIPPET(reduce_max_index_ok, 1), SNIPPET(compare_bad, 1),
-    SNIPPET(compare_ok, 1),          SNIPPET(poison_fresh_bad, 1),   SNIPPET(poison_fresh_ok, 1),
-    SNIPPET(poison_pad_bad, 1),      SNIPPET(poison_pad_ok, 1),      SNIPPET(overlap_bad, 1),
-    SNIPPET(overlap_ok, 1),          SNIPPET(sync_v_s_bad, 1),       SNIPPET(sync_v_s_ok, 1),
-    SNIPPET(sync_mte2_v_bad, 1),     SNIPPET(sync_v_v_bad, 1),       SNIPPET(sync_v_mte3_bad, 1),
-    SNIPPET(sync_ok, 1),             SNIPPET(sync_queue_ok, 1),      SNIPPET(sync_s_mte3_bad, 1),
-    SNIPPET(event_deadlock_bad, 1),  SNIPPET(event_leftover_bad, 1), SNIPPET(event_ok, 1),
-    SNIPPET(pipe_s_bad, 1),          SNIPPET(gm_bounds_bad, 1),      SNIPPET(gm_readonly_bad, 1),
-    SNIPPET(block_race_bad, 4),      SNIPPET(block_race_ok, 16),
+    SNIPPET(dma_granularity_bad, 1),
+    SNIPPET(dma_granularity_ok, 1),
+    SNIPPET(alignment_bad, 1),
+    SNIPPET(alignment_ok, 1),
+    SNIPPET(ub_bounds_bad, 1),
+    SNIPPET(ub_budget_bad, 1),
+    SNIPPET(ub_budget_ok, 1),
+    SNIPPET(queue_alloc_bad, 1),
+    SNIPPET(queue_alloc_ok, 1),
+    SNIPPET(queue_enque_bad, 1),
+    SNIPPET(queue_enque_ok, 1),
+    SNIPPET(queue_deque_bad, 1),
+    SNIPPET(bf16_arith_bad, 1),
+    SNIPPET(bf16_arith_ok, 1),
+    SNIPPET(cast_roundtrip_ok, 1),
+    SNIPPET(reduce_max_index_ok, 1),
+    SNIPPET(compare_bad, 1),
+    SNIPPET(compare_ok, 1),
+    SNIPPET(poison_fresh_bad, 1),
+    SNIPPET(poison_fresh_ok, 1),
+    SNIPPET(poison_pad_bad, 1),
+    SNIPPET(poison_pad_ok, 1),
+    SNIPPET(overlap_bad, 1),
+    SNIPPET(overlap_ok, 1),
+    SNIPPET(sync_v_s_bad, 1),
+    SNIPPET(sync_v_s_ok, 1),
+    SNIPPET(sync_mte2_v_bad, 1),
+    SNIPPET(sync_v_v_bad, 1),
+    SNIPPET(sync_v_mte3_bad, 1),
+    SNIPPET(sync_ok, 1),
+    SNIPPET(sync_queue_ok, 1),
+    SNIPPET(sync_s_mte3_bad, 1),
+    SNIPPET(sync_war_bad, 1),
+    SNIPPET(sync_war_ok, 1),
+    SNIPPET(event_deadlock_bad, 1),
+    SNIPPET(event_leftover_bad, 1),
+    SNIPPET(event_ok, 1),
+    SNIPPET(pipe_s_bad, 1),
+    SNIPPET(gm_bounds_bad, 1),
+    SNIPPET(gm_readonly_bad, 1),
+    SNIPPET(block_race_bad, 4),
+    SNIPPET(block_race_ok, 16),
 };
 #undef SNIPPET
 

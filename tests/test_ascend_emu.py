@@ -32,11 +32,12 @@ def run(name, inp=None):
     ("bf16-arith", "bf16_arith_bad", "Add on bfloat16_t"),
     ("compare-256", "compare_bad", "must be a multiple of 256 bytes"),
     ("overlap", "overlap_bad", "operands .* overlap"),
-    ("sync", "sync_v_s_bad", "GetValue .*written or read by pipe V.*V_S"),
-    ("sync", "sync_mte2_v_bad", "Muls .*written or read by pipe MTE2.*MTE2_V"),
-    ("sync", "sync_v_v_bad", "Adds .*written or read by pipe V.*PipeBarrier<PIPE_V>"),
-    ("sync", "sync_v_mte3_bad", "DataCopyPad UB->GM .*pipe V.*V_MTE3"),
-    ("sync", "sync_s_mte3_bad", "DataCopyPad UB->GM .*pipe S.*S_MTE3"),
+    ("sync", "sync_v_s_bad", r"GetValue \(pipe S\) reads UB last written by pipe V .*V_S"),
+    ("sync", "sync_mte2_v_bad", r"Muls \(pipe V\) reads UB last written by pipe MTE2 .*MTE2_V"),
+    ("sync", "sync_v_v_bad", r"Adds \(pipe V\) reads UB last written by pipe V .*PIPE_V"),
+    ("sync", "sync_v_mte3_bad", r"UB->GM \(pipe MTE3\) reads UB last written by pipe V .*V_MTE3"),
+    ("sync", "sync_s_mte3_bad", r"UB->GM \(pipe MTE3\) reads UB last written by pipe S .*S_MTE3"),
+    ("sync", "sync_war_bad", r"GM->UB \(pipe MTE2\) overwrites UB still being read by pipe V"),
     ("sync", "pipe_s_bad", "PipeBarrier<PIPE_S> raises a hardware error"),
     ("event", "event_deadlock_bad", "WaitFlag<V_S>.* without a matching SetFlag"),
     ("event", "event_leftover_bad", "never waited"),
@@ -117,6 +118,8 @@ def test_legal_twins_compute_the_right_values():
     assert out[0] == inp[:64].max()
     inp, out, _ = run("sync_ok")
     assert torch.equal(out[:64], inp[:64] * 2 + 1)
+    inp, out, _ = run("sync_war_ok")
+    assert torch.equal(out[:64], inp[:64] * 2 + inp[64:128])
     inp, out, _ = run("sync_queue_ok")
     assert torch.equal(out[:128], inp[:128] * 2 + 1)
     run("event_ok")

@@ -25,22 +25,27 @@ namespace detail {
 
 // Every UB operand of a DMA or vector instruction starts 32-byte aligned and stays in its buffer.
 template <typename T>
-void ub_operand(const LocalTensor<T>& t, uint32_t bytes, const char* what, uint32_t align = emu::kAlign) {
+void ub_operand(const LocalTensor<T>& t, uint32_t bytes, const char* what,
+                uint32_t align = emu::kAlign) {
   if (t.offset() % align)
-    emu::fail("alignment", what, " starts at UB byte ", t.offset(), ", not ", align, "-byte aligned");
+    emu::fail("alignment", what, " starts at UB byte ", t.offset(), ", not ", align,
+              "-byte aligned");
   if (bytes > t.GetSize() * sizeof(T))
-    emu::fail("ub-bounds", what, " covers ", bytes, " bytes of a tensor of ", t.GetSize() * sizeof(T));
+    emu::fail("ub-bounds", what, " covers ", bytes, " bytes of a tensor of ",
+              t.GetSize() * sizeof(T));
 }
 
 inline void dma_blocks(uint32_t bytes, const char* what) {
   if (bytes % emu::kAlign)
-    emu::fail("dma-granularity", what, " moves ", bytes, " bytes, not a multiple of 32: the hardware ",
+    emu::fail("dma-granularity", what, " moves ", bytes,
+              " bytes, not a multiple of 32: the hardware ",
               "moves whole 32-byte blocks, so the tail would be lost or overrun (use DataCopyPad)");
 }
 
 inline void pad_params(const DataCopyExtParams& p, size_t elem, uint32_t gm_stride, uint32_t left,
                        uint32_t right) {
-  if (p.blockCount == 0 || p.blockLen == 0) emu::fail("dma-params", "DataCopyPad needs blockCount and blockLen >= 1");
+  if (p.blockCount == 0 || p.blockLen == 0)
+    emu::fail("dma-params", "DataCopyPad needs blockCount and blockLen >= 1");
   if (p.blockLen % elem || gm_stride % elem)
     emu::fail("dma-params", "DataCopyPad blockLen and GM stride must be whole elements");
   if (left * elem > emu::kAlign || right * elem > emu::kAlign)
@@ -81,7 +86,8 @@ void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const Da
                  const DataCopyPadExtParams<T>& pad) {
   detail::pad_params(p, sizeof(T), p.srcStride, pad.leftPadding, pad.rightPadding);
   const uint32_t n = p.blockLen / sizeof(T);
-  const uint32_t footprint = emu::round_up((pad.leftPadding + n + pad.rightPadding) * sizeof(T), emu::kAlign);
+  const uint32_t footprint =
+      emu::round_up((pad.leftPadding + n + pad.rightPadding) * sizeof(T), emu::kAlign);
   const uint32_t ub_step = footprint + p.dstStride * emu::kAlign;
   const uint64_t gm_step = p.blockLen + p.srcStride;
   detail::ub_operand(dst, (p.blockCount - 1) * ub_step + footprint, "DataCopyPad dst");
@@ -97,7 +103,8 @@ void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const Da
     T* out = reinterpret_cast<T*>(blk.ub(ub));
     if (pad.isPad) {
       for (uint32_t i = 0; i < pad.leftPadding; ++i) out[i] = pad.paddingValue;
-      for (uint32_t i = 0; i < pad.rightPadding; ++i) out[pad.leftPadding + n + i] = pad.paddingValue;
+      for (uint32_t i = 0; i < pad.rightPadding; ++i)
+        out[pad.leftPadding + n + i] = pad.paddingValue;
     }
     std::memcpy(out + pad.leftPadding, src.data() + gm_first, p.blockLen);
   }
@@ -105,7 +112,8 @@ void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const Da
 
 // UB -> GM: writes exactly blockLen bytes per block; UB blocks start 32-byte aligned.
 template <typename T>
-void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyExtParams& p) {
+void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src,
+                 const DataCopyExtParams& p) {
   detail::pad_params(p, sizeof(T), p.dstStride, 0, 0);
   const uint32_t n = p.blockLen / sizeof(T);
   const uint32_t ub_step = emu::round_up(p.blockLen, emu::kAlign) + p.srcStride * emu::kAlign;

@@ -24,9 +24,9 @@
 
 namespace emu {
 
-constexpr uint32_t kUbBytes = 192 * 1024;  // unified buffer of one 910B (A2) vector core
-constexpr uint32_t kAlign = 32;            // DMA granularity and vector operand alignment
-constexpr uint32_t kRepeatBytes = 256;     // bytes one vector instruction repeat processes
+constexpr uint32_t kUbBytes = 192 * 1024;      // unified buffer of one 910B (A2) vector core
+constexpr uint32_t kAlign = 32;                // DMA granularity and vector operand alignment
+constexpr uint32_t kRepeatBytes = 256;         // bytes one vector instruction repeat processes
 constexpr uint32_t kPoisonWord = 0x7FC17FC1u;  // NaN as float32 and as either 16-bit half
 
 struct Fault : std::runtime_error {
@@ -71,7 +71,8 @@ class Hazards {
   void read(int pipe, uint32_t offset, uint32_t bytes, const char* what) {
     for (uint32_t c = offset / kAlign; c < (offset + bytes + kAlign - 1) / kAlign; ++c) {
       Cell& cell = cells_[c];
-      if (!seen(pipe, cell.writer, cell.write_time)) unordered(cell.writer, pipe, what, "reads");
+      if (!seen(pipe, cell.writer, cell.write_time))
+        unordered(cell.writer, pipe, what, "reads UB last written by");
       cell.read_time[pipe] = now_[pipe];
     }
   }
@@ -81,10 +82,10 @@ class Hazards {
       Cell& cell = cells_[c];
       // A pipe's own writes land in issue order; only a vector read needs the barrier.
       if (cell.writer != pipe && !seen(pipe, cell.writer, cell.write_time))
-        unordered(cell.writer, pipe, what, "overwrites");
+        unordered(cell.writer, pipe, what, "overwrites UB last written by");
       for (int q = kV; q < kNumPipes; ++q) {
         if (q != pipe && !seen(pipe, q, cell.read_time[q]))
-          unordered(q, pipe, what, "overwrites data still being read by");
+          unordered(q, pipe, what, "overwrites UB still being read by");
       }
       cell = Cell{};
       cell.writer = pipe;
@@ -100,7 +101,8 @@ class Hazards {
   }
 
   void merge(int pipe, const Clock& c) {
-    for (int q = 0; q < kNumPipes; ++q) clocks_[pipe].seen[q] = std::max(clocks_[pipe].seen[q], c.seen[q]);
+    for (int q = 0; q < kNumPipes; ++q)
+      clocks_[pipe].seen[q] = std::max(clocks_[pipe].seen[q], c.seen[q]);
   }
 
   void barrier_all() {
@@ -123,13 +125,14 @@ class Hazards {
     return clocks_[pipe].seen[other] >= time;
   }
 
-  [[noreturn]] void unordered(int first, int second, const char* what, const char* verb) const {
-    std::string fix = first == kV && second == kV
+  [[noreturn]] void unordered(int earlier, int later, const char* what,
+                              const char* relation) const {
+    std::string fix = earlier == kV && later == kV
                           ? "PipeBarrier<PIPE_V>()"
-                          : std::string("SetFlag/WaitFlag<HardEvent::") + pipe_name(first) + "_" +
-                                pipe_name(second) + "> (or a queue EnQue/DeQue)";
-    fail("sync", what, " (pipe ", pipe_name(second), ") ", verb, " UB written or read by pipe ",
-         pipe_name(first), " with nothing ordering them; missing ", fix);
+                          : std::string("SetFlag/WaitFlag<HardEvent::") + pipe_name(earlier) + "_" +
+                                pipe_name(later) + "> (or a queue hand-over)";
+    fail("sync", what, " (pipe ", pipe_name(later), ") ", relation, " pipe ", pipe_name(earlier),
+         " and nothing orders them; missing ", fix);
   }
 
   std::vector<Cell> cells_;
@@ -208,7 +211,8 @@ class Block {
   // Explicit flags, keyed by (source pipe, destination pipe, event id).
   void set_flag(int src, int dst, int id, const char* name) {
     auto& e = events_[std::make_tuple(src, dst, id)];
-    if (e.first) fail("event", "SetFlag<", name, ">(", id, ") while the previous one was never waited");
+    if (e.first)
+      fail("event", "SetFlag<", name, ">(", id, ") while the previous one was never waited");
     e = {true, hazards_.snapshot(src)};
   }
 
@@ -288,7 +292,8 @@ inline void launch(uint32_t block_dim, std::vector<GmArg> gm, const std::functio
   }
   last_order() = state.order;
   auto& w = state.writes;
-  std::sort(w.begin(), w.end(), [](const GmWrite& a, const GmWrite& b) { return a.begin < b.begin; });
+  std::sort(w.begin(), w.end(),
+            [](const GmWrite& a, const GmWrite& b) { return a.begin < b.begin; });
   // Sweep: the write reaching furthest so far must come from the same block as any that overlap it.
   for (size_t i = 1, far = 0; i < w.size(); ++i) {
     if (w[i].begin < w[far].end && w[i].block != w[far].block)

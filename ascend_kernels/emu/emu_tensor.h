@@ -15,8 +15,16 @@
 #define GM_ADDR uint8_t*
 
 enum pipe_t { PIPE_S, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
-enum event_t : int32_t { EVENT_ID0, EVENT_ID1, EVENT_ID2, EVENT_ID3, EVENT_ID4, EVENT_ID5,
-                         EVENT_ID6, EVENT_ID7 };
+enum event_t : int32_t {
+  EVENT_ID0,
+  EVENT_ID1,
+  EVENT_ID2,
+  EVENT_ID3,
+  EVENT_ID4,
+  EVENT_ID5,
+  EVENT_ID6,
+  EVENT_ID7
+};
 
 namespace AscendC {
 
@@ -24,8 +32,20 @@ enum class TPosition : uint8_t { GM, VECIN, VECOUT, VECCALC };
 using QuePosition = TPosition;
 using TEventID = int8_t;
 
-enum class HardEvent : uint8_t { MTE2_V, V_MTE2, MTE3_V, V_MTE3, MTE2_MTE3, MTE3_MTE2, S_V, V_S,
-                                 MTE2_S, S_MTE2, MTE3_S, S_MTE3 };
+enum class HardEvent : uint8_t {
+  MTE2_V,
+  V_MTE2,
+  MTE3_V,
+  V_MTE3,
+  MTE2_MTE3,
+  MTE3_MTE2,
+  S_V,
+  V_S,
+  MTE2_S,
+  S_MTE2,
+  MTE3_S,
+  S_MTE3
+};
 
 namespace detail {
 
@@ -96,7 +116,8 @@ class GlobalTensor {
     GlobalTensor t;
     t.data_ = data_ + offset;
     t.size_ = size_ ? (offset <= size_ ? size_ - offset : 0) : 0;
-    if (size_ && offset > size_) emu::fail("gm-bounds", "GlobalTensor offset ", offset, " past its ", size_, " elements");
+    if (size_ && offset > size_)
+      emu::fail("gm-bounds", "GlobalTensor offset ", offset, " past its ", size_, " elements");
     return t;
   }
 
@@ -112,7 +133,8 @@ class GlobalTensor {
   T* data() const { return data_; }
   void check(uint64_t first, uint64_t count, bool write, const char* what) const {
     if (size_ && first + count > size_)
-      emu::fail("gm-bounds", what, " reaches element ", first + count, " of a GlobalTensor of ", size_);
+      emu::fail("gm-bounds", what, " reaches element ", first + count, " of a GlobalTensor of ",
+                size_);
     emu::block().check_gm(data_ + first, count * sizeof(T), write, what);
   }
 
@@ -127,7 +149,8 @@ class LocalTensor {
   LocalTensor() = default;
 
   LocalTensor operator[](uint32_t offset) const {
-    if (offset > size_) emu::fail("ub-bounds", "LocalTensor offset ", offset, " past its ", size_, " elements");
+    if (offset > size_)
+      emu::fail("ub-bounds", "LocalTensor offset ", offset, " past its ", size_, " elements");
     return LocalTensor(offset_ + offset * sizeof(T), size_ - offset);
   }
 

@@ -33,10 +33,10 @@ inline uint16_t float_to_half(float f) {
   uint32_t u = float_bits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);       // NaN
-  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);      // >= 65520 rounds to inf
-  if (a >= 0x38800000u) {                                                  // normal half (>= 2^-14)
-    uint32_t rounded = a + 0xFFFu + ((a >> 13) & 1u);                      // RNE on 13 dropped bits
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);   // NaN
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds to inf
+  if (a >= 0x38800000u) {                                              // normal half (>= 2^-14)
+    uint32_t rounded = a + 0xFFFu + ((a >> 13) & 1u);                  // RNE on 13 dropped bits
     return static_cast<uint16_t>(sign | ((rounded - (112u << 23)) >> 13));  // rebias 127 -> 15
   }
   // Subnormal half: a multiple of 2^-24; scaling by 2^24 is exact, nearbyint rounds to even.

@@ -11,7 +11,15 @@
 
 namespace AscendC {
 
-enum class RoundMode { CAST_NONE, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROUND, CAST_TRUNC, CAST_ODD };
+enum class RoundMode {
+  CAST_NONE,
+  CAST_RINT,
+  CAST_FLOOR,
+  CAST_CEIL,
+  CAST_ROUND,
+  CAST_TRUNC,
+  CAST_ODD
+};
 enum class CMPMODE { LT, GT, EQ, LE, GE, NE };
 enum class SELMODE { VSEL_CMPMASK_SPR, VSEL_TENSOR_SCALAR_MODE, VSEL_TENSOR_TENSOR_MODE };
 
@@ -26,12 +34,18 @@ using compute_t = std::conditional_t<is_16bit_float<T>, float, T>;
 
 template <typename T>
 compute_t<T> load(T v) {
-  if constexpr (is_16bit_float<T>) return static_cast<float>(v); else return v;
+  if constexpr (is_16bit_float<T>)
+    return static_cast<float>(v);
+  else
+    return v;
 }
 
 template <typename T>
 T store(compute_t<T> v) {
-  if constexpr (is_16bit_float<T>) return T(v); else return v;
+  if constexpr (is_16bit_float<T>)
+    return T(v);
+  else
+    return v;
 }
 
 template <typename T>
@@ -42,7 +56,8 @@ struct identity {
 template <typename T>
 void arithmetic(const char* op) {
   if constexpr (std::is_same_v<T, bfloat16_t>)
-    emu::fail("bf16-arith", op, " on bfloat16_t: the A2 vector unit has no bf16 arithmetic; Cast to ",
+    emu::fail("bf16-arith", op,
+              " on bfloat16_t: the A2 vector unit has no bf16 arithmetic; Cast to ",
               "float (RoundMode::CAST_NONE) first");
 }
 
@@ -66,11 +81,12 @@ class VecInstr {
       if (!d.write) continue;
       for (const Operand& s : ops_) {
         if (&s == &d || s.begin >= d.begin + d.bytes || d.begin >= s.begin + s.bytes) continue;
-        bool same = in_place_ok && !s.write && s.begin == d.begin && s.elem == d.elem && s.bytes == d.bytes;
+        bool same =
+            in_place_ok && !s.write && s.begin == d.begin && s.elem == d.elem && s.bytes == d.bytes;
         if (!same)
-          emu::fail("overlap", name_, ": operands [", s.begin, ", ", s.begin + s.bytes, ") and [", d.begin,
-                    ", ", d.begin + d.bytes, ") of the UB overlap (only an identical in-place ",
-                    "destination is allowed)");
+          emu::fail("overlap", name_, ": operands [", s.begin, ", ", s.begin + s.bytes, ") and [",
+                    d.begin, ", ", d.begin + d.bytes,
+                    ") of the UB overlap (only an identical in-place ", "destination is allowed)");
       }
     }
     auto& h = emu::block().hazards();
@@ -99,8 +115,8 @@ class VecInstr {
 };
 
 template <typename T, typename F>
-void binary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a, const LocalTensor<T>& b,
-            uint32_t count, F f) {
+void binary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a,
+            const LocalTensor<T>& b, uint32_t count, F f) {
   arithmetic<T>(name);
   const uint32_t bytes = count * sizeof(T);
   VecInstr(name).src(a, bytes).src(b, bytes).dst(dst, bytes).run();
@@ -109,7 +125,8 @@ void binary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a
 }
 
 template <typename T, typename F>
-void unary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a, uint32_t count, F f) {
+void unary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a, uint32_t count,
+           F f) {
   arithmetic<T>(name);
   const uint32_t bytes = count * sizeof(T);
   VecInstr(name).src(a, bytes).dst(dst, bytes).run();
@@ -162,37 +179,41 @@ void reduce_extreme(const char* name, const LocalTensor<T>& dst, const LocalTens
 
 }  // namespace detail
 
-#define EMU_BINARY(NAME, EXPR)                                                                  \
-  template <typename T>                                                                         \
-  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1,  \
-            uint32_t count) {                                                                   \
-    detail::binary(#NAME, dst, src0, src1, count, [](auto a, auto b) { return EXPR; });         \
+#define EMU_BINARY(NAME, EXPR)                                                                 \
+  template <typename T>                                                                        \
+  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, \
+            uint32_t count) {                                                                  \
+    detail::binary(#NAME, dst, src0, src1, count, [](auto a, auto b) { return EXPR; });        \
   }
+// clang-format off
 EMU_BINARY(Add, a + b)
 EMU_BINARY(Sub, a - b)
 EMU_BINARY(Mul, a * b)
 EMU_BINARY(Div, a / b)
 EMU_BINARY(Max, a > b ? a : b)
 EMU_BINARY(Min, a < b ? a : b)
+// clang-format on
 #undef EMU_BINARY
 
-#define EMU_SCALAR(NAME, EXPR)                                                                    \
-  template <typename T>                                                                           \
-  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src,                                 \
-            const typename detail::identity<T>::type& scalar, uint32_t count) {                   \
-    auto b = detail::load(scalar);                                                                \
-    detail::unary(#NAME, dst, src, count, [b](auto a) { return EXPR; });                          \
+#define EMU_SCALAR(NAME, EXPR)                                                  \
+  template <typename T>                                                         \
+  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src,               \
+            const typename detail::identity<T>::type& scalar, uint32_t count) { \
+    auto b = detail::load(scalar);                                              \
+    detail::unary(#NAME, dst, src, count, [b](auto a) { return EXPR; });        \
   }
+// clang-format off
 EMU_SCALAR(Adds, a + b)
 EMU_SCALAR(Muls, a * b)
 EMU_SCALAR(Maxs, a > b ? a : b)
+// clang-format on
 #undef EMU_SCALAR
 
-#define EMU_UNARY(NAME, EXPR)                                                                   \
-  template <typename T>                                                                         \
-  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {             \
-    detail::floating<T>(#NAME);                                                                 \
-    detail::unary(#NAME, dst, src, count, [](auto a) { return EXPR; });                         \
+#define EMU_UNARY(NAME, EXPR)                                                       \
+  template <typename T>                                                             \
+  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) { \
+    detail::floating<T>(#NAME);                                                     \
+    detail::unary(#NAME, dst, src, count, [](auto a) { return EXPR; });             \
   }
 EMU_UNARY(Exp, std::exp(a))
 EMU_UNARY(Ln, std::log(a))
@@ -201,7 +222,8 @@ EMU_UNARY(Rsqrt, 1.0f / std::sqrt(a))
 #undef EMU_UNARY
 
 template <typename T>
-void Duplicate(const LocalTensor<T>& dst, const typename detail::identity<T>::type& value, uint32_t count) {
+void Duplicate(const LocalTensor<T>& dst, const typename detail::identity<T>::type& value,
+               uint32_t count) {
   detail::VecInstr("Duplicate").dst(dst, count * sizeof(T)).run();
   T* d = dst.data();
   for (uint32_t i = 0; i < count; ++i) d[i] = value;
@@ -243,12 +265,13 @@ void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, RoundMode mode, 
 // dst bit i (little-endian within each byte) = cmp(src0[i], src1[i]). On A2 the count form works
 // on whole 256-byte repeats, so count * sizeof(T) must be a multiple of 256.
 template <typename T, typename U>
-void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, CMPMODE mode,
-             uint32_t count) {
+void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1,
+             CMPMODE mode, uint32_t count) {
   static_assert(std::is_same_v<U, uint8_t>, "Compare writes a uint8_t bit mask");
   detail::floating<T>("Compare");
   if (count * sizeof(T) % emu::kRepeatBytes)
-    emu::fail("compare-256", "Compare of ", count, " x ", sizeof(T), " bytes: the length must be a multiple ",
+    emu::fail("compare-256", "Compare of ", count, " x ", sizeof(T),
+              " bytes: the length must be a multiple ",
               "of 256 bytes (pad the operands and compare whole repeats)");
   const uint32_t bytes = count * sizeof(T);
   detail::VecInstr("Compare").src(src0, bytes).src(src1, bytes).dst(dst, count / 8).run();
@@ -275,9 +298,15 @@ template <typename T, typename U>
 void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTensor<T>& src0,
             const LocalTensor<T>& src1, SELMODE mode, uint32_t count) {
   detail::floating<T>("Select");
-  if (mode != SELMODE::VSEL_TENSOR_TENSOR_MODE) emu::fail("select", "a tensor src1 needs VSEL_TENSOR_TENSOR_MODE");
+  if (mode != SELMODE::VSEL_TENSOR_TENSOR_MODE)
+    emu::fail("select", "a tensor src1 needs VSEL_TENSOR_TENSOR_MODE");
   const uint32_t bytes = count * sizeof(T);
-  detail::VecInstr("Select").src(mask, (count + 7) / 8).src(src0, bytes).src(src1, bytes).dst(dst, bytes).run();
+  detail::VecInstr("Select")
+      .src(mask, (count + 7) / 8)
+      .src(src0, bytes)
+      .src(src1, bytes)
+      .dst(dst, bytes)
+      .run();
   const uint8_t* m = mask.template ReinterpretCast<uint8_t>().data();
   T *d = dst.data(), *a = src0.data(), *b = src1.data();
   for (uint32_t i = 0; i < count; ++i) d[i] = (m[i / 8] >> (i % 8)) & 1 ? a[i] : b[i];
@@ -287,7 +316,8 @@ template <typename T, typename U>
 void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTensor<T>& src0,
             const typename detail::identity<T>::type& src1, SELMODE mode, uint32_t count) {
   detail::floating<T>("Select");
-  if (mode != SELMODE::VSEL_TENSOR_SCALAR_MODE) emu::fail("select", "a scalar src1 needs VSEL_TENSOR_SCALAR_MODE");
+  if (mode != SELMODE::VSEL_TENSOR_SCALAR_MODE)
+    emu::fail("select", "a scalar src1 needs VSEL_TENSOR_SCALAR_MODE");
   const uint32_t bytes = count * sizeof(T);
   detail::VecInstr("Select").src(mask, (count + 7) / 8).src(src0, bytes).dst(dst, bytes).run();
   const uint8_t* m = mask.template ReinterpretCast<uint8_t>().data();
@@ -297,7 +327,8 @@ void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTe
 
 // dst[0] = sum; the emulation adds sequentially in float (hardware order differs in the last bits).
 template <typename T>
-void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp, int32_t count) {
+void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp,
+               int32_t count) {
   detail::reduction("ReduceSum", dst, src, tmp, count, 1);
   const T* x = src.data();
   detail::compute_t<T> sum = 0;
@@ -307,15 +338,17 @@ void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const Local
 
 // dst[0] = max; with calIndex dst[1] holds the bits of the (first) maximal element's index.
 template <typename T>
-void ReduceMax(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp, int32_t count,
-               bool calIndex = false) {
-  detail::reduce_extreme("ReduceMax", dst, src, tmp, count, calIndex, [](auto a, auto b) { return a > b; });
+void ReduceMax(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp,
+               int32_t count, bool calIndex = false) {
+  detail::reduce_extreme("ReduceMax", dst, src, tmp, count, calIndex,
+                         [](auto a, auto b) { return a > b; });
 }
 
 template <typename T>
-void ReduceMin(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp, int32_t count,
-               bool calIndex = false) {
-  detail::reduce_extreme("ReduceMin", dst, src, tmp, count, calIndex, [](auto a, auto b) { return a < b; });
+void ReduceMin(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp,
+               int32_t count, bool calIndex = false) {
+  detail::reduce_extreme("ReduceMin", dst, src, tmp, count, calIndex,
+                         [](auto a, auto b) { return a < b; });
 }
 
 }  // namespace AscendC

@@ -44,7 +44,13 @@ inline void check_tensor(const char* op, const std::string& name, const at::Tens
     if (shape[i] >= 0 && t.size(i) != shape[i])
       fail(op, name, " has shape ", shape_str(t), ", expected size ", shape[i], " in dim ", i);
   }
-  if (device && t.device() != *device) fail(op, name, " is on ", t.device(), ", expected ", *device);
+  if (device && t.device() != *device)
+    fail(op, name, " is on ", t.device(), ", expected ", *device);
+}
+
+// A kernel argument: the GM address of `t`, or nullptr for an absent optional tensor.
+inline uint8_t* gm_ptr(const at::Tensor& t) {
+  return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr;
 }
 
 // Copies a tiling struct into a byte tensor on `device` (the kernels read it from GM).
@@ -67,7 +73,8 @@ inline void check_probs(const char* op, const char* name, const at::Tensor& prob
   fail(op, name, " row (sequence ", b, ", position ", i, ") has ", what, " probabilities");
 }
 
-inline void check_rejection_sample(const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
+inline void check_rejection_sample(const at::Tensor& draft_token_ids,
+                                   const std::optional<at::Tensor>& draft_probs,
                                    const at::Tensor& target_probs, const at::Tensor& is_greedy,
                                    const at::Tensor& uniform, const at::Tensor& exponential) {
   constexpr const char* op = "rejection_sample";
@@ -93,32 +100,36 @@ inline void check_rejection_sample(const at::Tensor& draft_token_ids, const std:
   bad = (~((uniform >= 0) & (uniform < 1))).nonzero().cpu();
   if (bad.size(0)) {
     const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
-    fail(op, "uniform[", b, ", ", i, "] = ", py_float(uniform[b][i].item<double>()), " is outside [0, 1)");
+    fail(op, "uniform[", b, ", ", i, "] = ", py_float(uniform[b][i].item<double>()),
+         " is outside [0, 1)");
   }
   bad = (~((exponential > 0) & at::isfinite(exponential))).any(-1).nonzero().cpu();
   if (bad.size(0))
-    fail(op, "exponential row ", bad[0][0].item<int64_t>(), " must be positive and finite (Exp(1) noise)");
+    fail(op, "exponential row ", bad[0][0].item<int64_t>(),
+         " must be positive and finite (Exp(1) noise)");
 }
 
 struct RejectionSampleLaunch {
   RejectionSampleTiling tiling;
   uint32_t block_dim;  // 0: empty batch, nothing to launch
-  at::Tensor draft_ids, draft_probs, target_probs, is_greedy, uniform, exponential;  // contiguous inputs
+  at::Tensor draft_ids, draft_probs, target_probs, is_greedy, uniform,
+      exponential;  // contiguous inputs
   at::Tensor out_ids, num_accepted, tiling_gm;
 };
 
-inline RejectionSampleLaunch prepare_rejection_sample(const at::Tensor& draft_token_ids,
-                                                      const std::optional<at::Tensor>& draft_probs,
-                                                      const at::Tensor& target_probs, const at::Tensor& is_greedy,
-                                                      const at::Tensor& uniform, const at::Tensor& exponential,
-                                                      uint32_t cores, uint64_t ub_bytes = kUbBytes,
-                                                      uint32_t max_tile = 0) {
-  check_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform, exponential);
+inline RejectionSampleLaunch prepare_rejection_sample(
+    const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
+    const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
+    const at::Tensor& exponential, uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    uint32_t max_tile = 0) {
+  check_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                         exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1), v = target_probs.size(2);
   RejectionSampleLaunch l;
   l.tiling = rejection_sample_tiling(bs, k, v, draft_probs.has_value(), ub_bytes, max_tile);
   if (l.tiling.tile == 0)
-    fail("rejection_sample", k, " draft tokens per sequence do not fit the Ascend kernel's unified buffer");
+    fail("rejection_sample", k,
+         " draft tokens per sequence do not fit the Ascend kernel's unified buffer");
   l.block_dim = block_dim(bs, cores);
   l.draft_ids = draft_token_ids.contiguous();
   if (draft_probs) l.draft_probs = draft_probs->contiguous();
@@ -138,10 +149,10 @@ inline RejectionSampleLaunch prepare_rejection_sample(const at::Tensor& draft_to
 
 inline void check_context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
                              const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
-                             const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
-                             const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                             const at::Tensor& slot_mapping, at::TensorList key_caches,
-                             at::TensorList value_caches, double eps) {
+                             const std::optional<at::Tensor>& kv_bias,
+                             const at::Tensor& k_norm_weight, const at::Tensor& positions,
+                             const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+                             at::TensorList key_caches, at::TensorList value_caches, double eps) {
   constexpr const char* op = "context_kv";
   const std::initializer_list<at::ScalarType> floats{at::kFloat, at::kBFloat16, at::kHalf};
   check_tensor(op, "hidden", hidden, floats, 2);
@@ -157,23 +168,27 @@ inline void check_context_kv(const at::Tensor& hidden, const std::optional<at::T
   check_tensor(op, "k_norm_weight", k_norm_weight, {dtype}, 2, {}, dev);
   const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
   if (d % 2) fail(op, "head_dim ", d, " must be even for rotate-half RoPE");
-  if (static_cast<int64_t>(key_caches.size()) != layers || static_cast<int64_t>(value_caches.size()) != layers)
-    fail(op, "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ", key_caches.size(),
-         " key and ", value_caches.size(), " value caches");
+  if (static_cast<int64_t>(key_caches.size()) != layers ||
+      static_cast<int64_t>(value_caches.size()) != layers)
+    fail(op, "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ",
+         key_caches.size(), " key and ", value_caches.size(), " value caches");
   if (layers <= 0) fail(op, "k_norm_weight must describe at least one layer");
   check_tensor(op, "key_caches[0]", key_caches[0], {dtype}, 4, {}, dev);
   const auto cache_shape = key_caches[0].sizes().vec();
   const int64_t hkv = cache_shape[2];
-  if (cache_shape[3] != d) fail(op, "key_caches[0] has head_dim ", cache_shape[3], ", k_norm_weight has ", d);
-  for (auto [name, caches] : {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
+  if (cache_shape[3] != d)
+    fail(op, "key_caches[0] has head_dim ", cache_shape[3], ", k_norm_weight has ", d);
+  for (auto [name, caches] :
+       {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
     for (size_t i = 0; i < caches.size(); ++i)
-      check_tensor(op, std::string(name) + "[" + std::to_string(i) + "]", caches[i], {dtype}, 4, cache_shape, dev);
+      check_tensor(op, std::string(name) + "[" + std::to_string(i) + "]", caches[i], {dtype}, 4,
+                   cache_shape, dev);
   }
   const int64_t rows = layers * 2 * hkv * d;
   check_tensor(op, "kv_weight", kv_weight, {dtype}, 2, {}, dev);
   if (kv_weight.size(0) != rows || kv_weight.size(1) != h)
-    fail(op, "kv_weight has shape ", shape_str(kv_weight), ", expected [", rows, ", ", h, "] (L=", layers,
-         " x 2 x Hkv=", hkv, " x D=", d, " rows, hidden ", h, ")");
+    fail(op, "kv_weight has shape ", shape_str(kv_weight), ", expected [", rows, ", ", h,
+         "] (L=", layers, " x 2 x Hkv=", hkv, " x D=", d, " rows, hidden ", h, ")");
   if (kv_bias) check_tensor(op, "kv_bias", *kv_bias, {dtype}, 1, {rows}, dev);
   check_tensor(op, "positions", positions, {at::kLong}, 1, {n}, dev);
   check_tensor(op, "slot_mapping", slot_mapping, {at::kLong}, 1, {n}, dev);
@@ -184,15 +199,16 @@ inline void check_context_kv(const at::Tensor& hidden, const std::optional<at::T
   at::Tensor bad = ((positions < 0) | (positions >= max_pos)).nonzero().cpu();
   if (bad.size(0)) {
     const int64_t t = bad[0][0].item<int64_t>();
-    fail(op, "positions[", t, "] = ", positions[t].item<int64_t>(), " is out of range for a cos_sin_cache of ",
-         max_pos, " positions");
+    fail(op, "positions[", t, "] = ", positions[t].item<int64_t>(),
+         " is out of range for a cos_sin_cache of ", max_pos, " positions");
   }
   const int64_t num_slots = cache_shape[0] * cache_shape[1];
   bad = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero().cpu();
   if (bad.size(0)) {
     const int64_t t = bad[0][0].item<int64_t>();
-    fail(op, "slot_mapping[", t, "] = ", slot_mapping[t].item<int64_t>(), " is out of range for a cache of ",
-         cache_shape[0], " blocks x ", cache_shape[1], " slots (valid: -1 to ", num_slots - 1, ")");
+    fail(op, "slot_mapping[", t, "] = ", slot_mapping[t].item<int64_t>(),
+         " is out of range for a cache of ", cache_shape[0], " blocks x ", cache_shape[1],
+         " slots (valid: -1 to ", num_slots - 1, ")");
   }
 }
 
@@ -214,20 +230,21 @@ inline at::Tensor last_writer_slots(const at::Tensor& slots) {
   return at::where(keep, slots, at::full_like(slots, -1));
 }
 
-inline ContextKvLaunch prepare_context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
-                                          const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
-                                          const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
-                                          const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                                          const at::Tensor& slot_mapping, at::TensorList key_caches,
-                                          at::TensorList value_caches, double eps, uint32_t cores,
-                                          uint64_t ub_bytes = kUbBytes) {
+inline ContextKvLaunch prepare_context_kv(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
+    const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
+    const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
+    const at::Tensor& positions, const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+    at::TensorList key_caches, at::TensorList value_caches, double eps, uint32_t cores,
+    uint64_t ub_bytes = kUbBytes) {
   constexpr const char* op = "context_kv";
-  check_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
-                   cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
+  check_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+                   positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
   const auto dtype = hidden.scalar_type();
   const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
   const int64_t hkv = key_caches[0].size(2);
-  for (auto [name, caches] : {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
+  for (auto [name, caches] :
+       {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
     for (size_t i = 0; i < caches.size(); ++i) {
       if (caches[i].stride(3) != 1 || caches[i].stride(2) != d)
         fail(op, name, "[", i, "] must have contiguous [Hkv, D] rows for the Ascend kernel");
@@ -235,7 +252,8 @@ inline ContextKvLaunch prepare_context_kv(const at::Tensor& hidden, const std::o
   }
   const auto elem = static_cast<uint32_t>(at::elementSize(dtype));
   ContextKvLaunch l;
-  l.tiling = context_kv_tiling(hidden.size(0), layers, hkv, d, key_caches[0].size(1), elem, static_cast<float>(eps));
+  l.tiling = context_kv_tiling(hidden.size(0), layers, hkv, d, key_caches[0].size(1), elem,
+                               static_cast<float>(eps));
   const uint64_t need = context_kv_ub_bytes(l.tiling, elem);
   if (need > ub_bytes)
     fail(op, "Hkv=", hkv, " x D=", d, " over ", layers, " layers needs ", need,
@@ -246,7 +264,9 @@ inline ContextKvLaunch prepare_context_kv(const at::Tensor& hidden, const std::o
   // The GEMMs and the hidden RMSNorm, with exactly the ATen calls of dflash.reference.
   at::Tensor x = fc_weight ? at::linear(hidden, *fc_weight) : hidden;
   at::Tensor xf = x.to(at::kFloat);
-  at::Tensor c = (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps) * hidden_norm_weight.to(at::kFloat)).to(dtype);
+  at::Tensor c =
+      (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps) * hidden_norm_weight.to(at::kFloat))
+          .to(dtype);
   l.kv = at::linear(c, kv_weight, kv_bias).contiguous();
   l.k_norm_weight = k_norm_weight.contiguous();
   l.positions = positions.contiguous();
