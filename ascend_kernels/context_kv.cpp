@@ -197,10 +197,8 @@ class ContextKvEpilogue {
       AscendC::Sub(rotated[x1], y[x1], p[x1], half_);
       AscendC::Add(rotated[x2], y[x2], p[x2], half_);
     }
-    if constexpr (!kFloat) {
-      AscendC::PipeBarrier<PIPE_V>();
-      AscendC::Cast(out, y, AscendC::RoundMode::CAST_RINT, lanes_);
-    }
+    AscendC::PipeBarrier<PIPE_V>();  // the Cast reads `rotated`; the next layer overwrites y and p
+    if constexpr (!kFloat) AscendC::Cast(out, y, AscendC::RoundMode::CAST_RINT, lanes_);
     kOutQue_.EnQue(out);
     out = kOutQue_.template DeQue<T>();
     AscendC::DataCopyExtParams halves{static_cast<uint16_t>(2 * t_.kv_heads),

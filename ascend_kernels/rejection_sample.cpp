@@ -13,8 +13,8 @@ using AscendC::HardEvent;
 using AscendC::LocalTensor;
 using AscendC::TPosition;
 
-constexpr int32_t kBufferNum =
-    2;  // double buffering: the next tile's DMA overlaps this tile's math
+// Double buffering: the next tile's DMA overlaps this tile's vector work.
+constexpr int32_t kBufferNum = 2;
 
 // How one pass turns the tiles of p (and q, e) into the weights whose argmax it returns.
 enum class Weights {
@@ -51,11 +51,11 @@ class RejectionSampler {
     pipe_.InitBuffer(workBuf_, tileBytes);
     pipe_.InitBuffer(rampBuf_, tileBytes);
     pipe_.InitBuffer(candBuf_, tileBytes);
-    pipe_.InitBuffer(maskBuf_, t_.tile / 8);
+    pipe_.InitBuffer(maskBuf_, dflash_kernels::Align32(t_.tile / 8));
     pipe_.InitBuffer(tmpBuf_, t_.reduce_tmp * sizeof(float));
     pipe_.InitBuffer(scalarBuf_, 3 * kSlot * sizeof(float));
-    pipe_.InitBuffer(rowBuf_, (t_.drafts + 1) * sizeof(int64_t));
-    pipe_.InitBuffer(countBuf_, sizeof(int64_t));
+    pipe_.InitBuffer(rowBuf_, dflash_kernels::Align32((t_.drafts + 1) * sizeof(int64_t)));
+    pipe_.InitBuffer(countBuf_, dflash_kernels::Align32(sizeof(int64_t)));
     BuildIndexRamp();
   }
 
@@ -169,6 +169,7 @@ class RejectionSampler {
       }
       if (residual) {
         AscendC::ReduceMax(scalars[2 * kSlot], work, tmpBuf_.Get<float>(), n);
+        AscendC::PipeBarrier<PIPE_V>();  // Div overwrites what ReduceMax reads
         AscendC::Div(work, work, e, n);
         AscendC::PipeBarrier<PIPE_V>();
       }

@@ -229,6 +229,31 @@ void reduce_max_index_ok(GM_ADDR i, GM_ADDR o) {
   CopyOut(gm.out, w.Get<float>(), 2);
 }
 
+// The other elementwise ops, 32 lanes each: x = in[0:32], y = in[32:64] (y > 0):
+// out = [max(x, y), min(x, y), x - y, x / y, exp(x), ln(y), sqrt(y), rsqrt(y)].
+void elementwise_ok(GM_ADDR i, GM_ADDR o) {
+  Gm gm(i, o);
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> f, g;
+  pipe.InitBuffer(f, 64 * sizeof(float));
+  pipe.InitBuffer(g, kFloats * sizeof(float));
+  LocalTensor<float> x = f.Get<float>(), y = x[32], r = g.Get<float>();
+  DataCopy(x, gm.in, 64);
+  SetFlag<HardEvent::MTE2_V>(0);
+  WaitFlag<HardEvent::MTE2_V>(0);
+  Max(r, x, y, 32);
+  Min(r[32], x, y, 32);
+  Sub(r[64], x, y, 32);
+  Div(r[96], x, y, 32);
+  Exp(r[128], x, 32);
+  Ln(r[160], y, 32);
+  Sqrt(r[192], y, 32);
+  Rsqrt(r[224], y, 32);
+  SetFlag<HardEvent::V_MTE3>(0);
+  WaitFlag<HardEvent::V_MTE3>(0);
+  DataCopy(gm.out, r, kFloats);
+}
+
 // ---- compare-256: Compare works on whole 256-byte repeats
 // -----------------------------------------
 
@@ -530,6 +555,7 @@ const Entry kSnippets[] = {
     SNIPPET(bf16_arith_ok, 1),
     SNIPPET(cast_roundtrip_ok, 1),
     SNIPPET(reduce_max_index_ok, 1),
+    SNIPPET(elementwise_ok, 1),
     SNIPPET(compare_bad, 1),
     SNIPPET(compare_ok, 1),
     SNIPPET(poison_fresh_bad, 1),

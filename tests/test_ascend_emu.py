@@ -95,6 +95,16 @@ def test_reduce_max_reports_the_first_maximal_index():
     assert out[1:2].view(torch.int32).item() == 37
 
 
+def test_elementwise_ops_match_torch():
+    inp = torch.randn(256, generator=torch.Generator().manual_seed(2))
+    inp[32:64] = inp[32:64].abs() + 0.1
+    _, out, _ = run("elementwise_ok", inp)
+    x, y = inp[:32], inp[32:64]
+    expected = torch.cat([torch.maximum(x, y), torch.minimum(x, y), x - y, x / y, x.exp(),
+                          y.log(), y.sqrt(), y.rsqrt()])
+    torch.testing.assert_close(out, expected)
+
+
 def test_compare_select_match_torch():
     inp, out, _ = run("compare_ok")
     expected = torch.where(inp[:64] < inp[64:128], inp[:64], torch.tensor(-1.0))

@@ -15,22 +15,10 @@
 #define GM_ADDR uint8_t*
 
 enum pipe_t { PIPE_S, PIPE_V, PIPE_M, PIPE_MTE1, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
-enum event_t : int32_t {
-  EVENT_ID0,
-  EVENT_ID1,
-  EVENT_ID2,
-  EVENT_ID3,
-  EVENT_ID4,
-  EVENT_ID5,
-  EVENT_ID6,
-  EVENT_ID7
-};
 
 namespace AscendC {
 
 enum class TPosition : uint8_t { GM, VECIN, VECOUT, VECCALC };
-using QuePosition = TPosition;
-using TEventID = int8_t;
 
 enum class HardEvent : uint8_t {
   MTE2_V,
@@ -126,8 +114,6 @@ class GlobalTensor {
     check(i, 1, false, "GlobalTensor::GetValue");
     return data_[i];
   }
-
-  uint64_t GetSize() const { return size_; }
 
   // Emulation internals, used by DataCopy.
   T* data() const { return data_; }
@@ -345,17 +331,10 @@ class TQue {
   detail::Queue queue_;
 };
 
-class TPipe;
-inline TPipe*& current_pipe() {
-  static thread_local TPipe* pipe = nullptr;
-  return pipe;
-}
-
 class TPipe {
  public:
-  TPipe() { current_pipe() = this; }
-  ~TPipe() {
-    if (current_pipe() == this) current_pipe() = nullptr;
+  TPipe() = default;
+  ~TPipe() {  // the pipe owns the block's UB allocations
     if (emu::current_block()) emu::block().release_all();
   }
   TPipe(const TPipe&) = delete;
@@ -370,11 +349,6 @@ class TPipe {
   void InitBuffer(TBuf<Pos>& buf, uint32_t len) {
     buf.init(emu::block().allocate(len, "InitBuffer(TBuf)"), len);
   }
-
-  // Event ids are a per-core resource; the emulation keys flags by id, so any fixed id works.
-  TEventID FetchEventID(HardEvent) { return 0; }
 };
-
-inline TPipe* GetTPipePtr() { return current_pipe(); }
 
 }  // namespace AscendC

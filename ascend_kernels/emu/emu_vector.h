@@ -229,8 +229,8 @@ void Duplicate(const LocalTensor<T>& dst, const typename detail::identity<T>::ty
   for (uint32_t i = 0; i < count; ++i) d[i] = value;
 }
 
-// float <-> half / bfloat16_t (narrowing rounds to nearest even: CAST_RINT, or CAST_NONE which
-// means the same for a lossy conversion), float -> int32 with an explicit mode, int32 -> float.
+// float <-> half / bfloat16_t; narrowing rounds to nearest even (CAST_RINT, or CAST_NONE, which
+// means the same for a lossy conversion).
 template <typename D, typename S>
 void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, RoundMode mode, uint32_t count) {
   detail::VecInstr("Cast").src(src, count * sizeof(S)).dst(dst, count * sizeof(D)).run();
@@ -241,21 +241,6 @@ void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, RoundMode mode, 
       emu::fail("cast", "float -> 16-bit float: only CAST_RINT / CAST_NONE are modelled");
     for (uint32_t i = 0; i < count; ++i) d[i] = D(x[i]);
   } else if constexpr (detail::is_16bit_float<S> && std::is_same_v<D, float>) {
-    for (uint32_t i = 0; i < count; ++i) d[i] = static_cast<float>(x[i]);
-  } else if constexpr (std::is_same_v<S, float> && std::is_same_v<D, int32_t>) {
-    for (uint32_t i = 0; i < count; ++i) {
-      float v = x[i];
-      switch (mode) {
-        case RoundMode::CAST_RINT: v = std::nearbyint(v); break;
-        case RoundMode::CAST_ROUND: v = std::round(v); break;
-        case RoundMode::CAST_FLOOR: v = std::floor(v); break;
-        case RoundMode::CAST_CEIL: v = std::ceil(v); break;
-        case RoundMode::CAST_TRUNC: v = std::trunc(v); break;
-        default: emu::fail("cast", "float -> int32 needs RINT, ROUND, FLOOR, CEIL or TRUNC");
-      }
-      d[i] = static_cast<int32_t>(v);
-    }
-  } else if constexpr (std::is_same_v<S, int32_t> && std::is_same_v<D, float>) {
     for (uint32_t i = 0; i < count; ++i) d[i] = static_cast<float>(x[i]);
   } else {
     static_assert(sizeof(D) == 0, "Cast between these types is not modelled");
@@ -293,25 +278,8 @@ void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalT
   }
 }
 
-// dst[i] = mask bit i ? src0[i] : src1 (a tensor, or one scalar in VSEL_TENSOR_SCALAR_MODE).
-template <typename T, typename U>
-void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTensor<T>& src0,
-            const LocalTensor<T>& src1, SELMODE mode, uint32_t count) {
-  detail::floating<T>("Select");
-  if (mode != SELMODE::VSEL_TENSOR_TENSOR_MODE)
-    emu::fail("select", "a tensor src1 needs VSEL_TENSOR_TENSOR_MODE");
-  const uint32_t bytes = count * sizeof(T);
-  detail::VecInstr("Select")
-      .src(mask, (count + 7) / 8)
-      .src(src0, bytes)
-      .src(src1, bytes)
-      .dst(dst, bytes)
-      .run();
-  const uint8_t* m = mask.template ReinterpretCast<uint8_t>().data();
-  T *d = dst.data(), *a = src0.data(), *b = src1.data();
-  for (uint32_t i = 0; i < count; ++i) d[i] = (m[i / 8] >> (i % 8)) & 1 ? a[i] : b[i];
-}
-
+// dst[i] = mask bit i ? src0[i] : src1 (VSEL_TENSOR_SCALAR_MODE; the tensor-tensor mode is not
+// modelled).
 template <typename T, typename U>
 void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTensor<T>& src0,
             const typename detail::identity<T>::type& src1, SELMODE mode, uint32_t count) {
