@@ -43,7 +43,8 @@ def ops():
         name="dflash_ascend_emu",
         sources=[str(s) for s in SOURCES],
         extra_include_paths=[str(i) for i in INCLUDES],
-        # -ffp-contract=off: no fused multiply-adds, every vector op rounds like the reference
+        # C++17: what the Ascend C compiler accepts, so kernels cannot drift past it.
+        # -ffp-contract=off: no fused multiply-adds; every vector op rounds like the reference.
         extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off", "-DDFLASH_ASCEND_EMU",
                       f"-DDFLASH_EMU_HEADERS={_headers_digest()}"],
         build_directory=str(build),

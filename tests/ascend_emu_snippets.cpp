@@ -510,6 +510,48 @@ void gm_readonly_bad(GM_ADDR i, GM_ADDR) {
   DataCopy(in, f.Get<float>(), 8);
 }
 
+// ---- argument checks: DMA padding, round modes, select modes, foreign queue tensors -------------
+
+void dma_params_bad(GM_ADDR i, GM_ADDR o) {
+  Gm gm(i, o);
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> f;
+  pipe.InitBuffer(f, 64 * sizeof(float));
+  DataCopyPad(f.Get<float>(), gm.in, DataCopyExtParams{1, 4 * sizeof(float), 0, 0, 0},
+              DataCopyPadExtParams<float>{true, 0, 9, 0.0f});  // 36 bytes of padding
+}
+
+void cast_mode_bad(GM_ADDR, GM_ADDR) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> f, h;
+  pipe.InitBuffer(f, 64 * sizeof(float));
+  pipe.InitBuffer(h, 64 * sizeof(bfloat16_t));
+  Duplicate(f.Get<float>(), 1.5f, 64);
+  PipeBarrier<PIPE_V>();
+  Cast(h.Get<bfloat16_t>(), f.Get<float>(), RoundMode::CAST_FLOOR, 64);
+}
+
+void select_mode_bad(GM_ADDR, GM_ADDR) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> f, m;
+  pipe.InitBuffer(f, 128 * sizeof(float));
+  pipe.InitBuffer(m, 32);
+  Duplicate(f.Get<float>(), 1.0f, 64);
+  Duplicate(m.Get<uint8_t>(), static_cast<uint8_t>(0xFF), 32);
+  PipeBarrier<PIPE_V>();
+  Select(f.Get<float>()[64], m.Get<uint8_t>(), f.Get<float>(), 0.0f,
+         SELMODE::VSEL_TENSOR_TENSOR_MODE, 64);
+}
+
+void queue_free_bad(GM_ADDR, GM_ADDR) {
+  TPipe pipe;
+  TQue<TPosition::VECIN, 1> a, b;
+  pipe.InitBuffer(a, 1, 256);
+  pipe.InitBuffer(b, 1, 256);
+  LocalTensor<float> t = a.AllocTensor<float>();
+  b.FreeTensor(t);
+}
+
 // ---- block-race and launch order: blocks run in any order, so they must write disjoint GM
 // ---------
 
@@ -580,6 +622,10 @@ const Entry kSnippets[] = {
     SNIPPET(pipe_s_bad, 1),
     SNIPPET(gm_bounds_bad, 1),
     SNIPPET(gm_readonly_bad, 1),
+    SNIPPET(dma_params_bad, 1),
+    SNIPPET(cast_mode_bad, 1),
+    SNIPPET(select_mode_bad, 1),
+    SNIPPET(queue_free_bad, 1),
     SNIPPET(block_race_bad, 4),
     SNIPPET(block_race_ok, 16),
 };

@@ -24,10 +24,11 @@ bool find_snippet(const std::string& name, uint32_t& blocks, SnippetKernel& kern
 
 namespace {
 
+// Set by the test-only op `configure`: the vector cores the launchers spread blocks over, and a
+// cap on rejection_sample's vocabulary tile (0: as large as the UB allows).
 struct Config {
-  uint32_t cores = 8;  // vector cores the launchers spread blocks over
-  uint32_t max_tile =
-      0;  // cap on rejection_sample's vocabulary tile (0: as large as the UB allows)
+  uint32_t cores = 8;
+  uint32_t max_tile = 0;
 } config;
 
 // A GM buffer the kernel may touch: the whole extent of `t`'s elements, whatever its strides.
