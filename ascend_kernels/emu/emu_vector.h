@@ -1,0 +1,322 @@
+// Level-2 (count form) vector instructions: elementwise, scalar, unary, Duplicate, Cast,
+// Compare/Select and the reductions. Each one runs on pipe V and checks operand alignment,
+// bounds and overlap, the A2 type rules and pipe synchronization before computing.
+#pragma once
+
+#include <cmath>
+#include <initializer_list>
+#include <limits>
+
+#include "emu_tensor.h"
+
+namespace AscendC {
+
+enum class RoundMode {
+  CAST_NONE,
+  CAST_RINT,
+  CAST_FLOOR,
+  CAST_CEIL,
+  CAST_ROUND,
+  CAST_TRUNC,
+  CAST_ODD
+};
+enum class CMPMODE { LT, GT, EQ, LE, GE, NE };
+enum class SELMODE { VSEL_CMPMASK_SPR, VSEL_TENSOR_SCALAR_MODE, VSEL_TENSOR_TENSOR_MODE };
+
+namespace detail {
+
+template <typename T>
+constexpr bool is_16bit_float = std::is_same_v<T, half> || std::is_same_v<T, bfloat16_t>;
+
+// Values are computed in float for the 16-bit types and rounded back once (RNE).
+template <typename T>
+using compute_t = std::conditional_t<is_16bit_float<T>, float, T>;
+
+template <typename T>
+compute_t<T> load(T v) {
+  if constexpr (is_16bit_float<T>)
+    return static_cast<float>(v);
+  else
+    return v;
+}
+
+template <typename T>
+T store(compute_t<T> v) {
+  if constexpr (is_16bit_float<T>)
+    return T(v);
+  else
+    return v;
+}
+
+template <typename T>
+struct identity {
+  using type = T;
+};
+
+template <typename T>
+void arithmetic(const char* op) {
+  if constexpr (std::is_same_v<T, bfloat16_t>)
+    emu::fail("bf16-arith", op,
+              " on bfloat16_t: the A2 vector unit has no bf16 arithmetic; Cast to ",
+              "float (RoundMode::CAST_NONE) first");
+}
+
+// One vector instruction: collects its operands, validates them, then records the UB accesses.
+class VecInstr {
+ public:
+  explicit VecInstr(const char* name) : name_(name) {}
+
+  template <typename T>
+  VecInstr& src(const LocalTensor<T>& t, uint32_t bytes, uint32_t align = emu::kAlign) {
+    return add(t, bytes, align, false);
+  }
+  template <typename T>
+  VecInstr& dst(const LocalTensor<T>& t, uint32_t bytes, uint32_t align = emu::kAlign) {
+    return add(t, bytes, align, true);
+  }
+
+  // Operands may not overlap, except a destination that is exactly one of the sources (in place).
+  void run(bool in_place_ok = true) {
+    for (const Operand& d : ops_) {
+      if (!d.write) continue;
+      for (const Operand& s : ops_) {
+        if (&s == &d || s.begin >= d.begin + d.bytes || d.begin >= s.begin + s.bytes) continue;
+        bool same =
+            in_place_ok && !s.write && s.begin == d.begin && s.elem == d.elem && s.bytes == d.bytes;
+        if (!same)
+          emu::fail("overlap", name_, ": operands [", s.begin, ", ", s.begin + s.bytes, ") and [",
+                    d.begin, ", ", d.begin + d.bytes,
+                    ") of the UB overlap (only an identical in-place ", "destination is allowed)");
+      }
+    }
+    auto& h = emu::block().hazards();
+    h.issue(emu::kV);
+    for (const Operand& o : ops_)
+      if (!o.write) h.read(emu::kV, o.begin, o.bytes, name_);
+    for (const Operand& o : ops_)
+      if (o.write) h.write(emu::kV, o.begin, o.bytes, name_);
+  }
+
+ private:
+  struct Operand {
+    uint32_t begin, bytes, elem;
+    bool write;
+  };
+
+  template <typename T>
+  VecInstr& add(const LocalTensor<T>& t, uint32_t bytes, uint32_t align, bool write) {
+    ub_operand(t, bytes, name_, align);
+    ops_.push_back({t.offset(), bytes, static_cast<uint32_t>(sizeof(T)), write});
+    return *this;
+  }
+
+  const char* name_;
+  std::vector<Operand> ops_;
+};
+
+template <typename T, typename F>
+void binary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a,
+            const LocalTensor<T>& b, uint32_t count, F f) {
+  arithmetic<T>(name);
+  const uint32_t bytes = count * sizeof(T);
+  VecInstr(name).src(a, bytes).src(b, bytes).dst(dst, bytes).run();
+  T *d = dst.data(), *x = a.data(), *y = b.data();
+  for (uint32_t i = 0; i < count; ++i) d[i] = store<T>(f(load(x[i]), load(y[i])));
+}
+
+template <typename T, typename F>
+void unary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a, uint32_t count,
+           F f) {
+  arithmetic<T>(name);
+  const uint32_t bytes = count * sizeof(T);
+  VecInstr(name).src(a, bytes).dst(dst, bytes).run();
+  T *d = dst.data(), *x = a.data();
+  for (uint32_t i = 0; i < count; ++i) d[i] = store<T>(f(load(x[i])));
+}
+
+template <typename T>
+void floating(const char* name) {
+  static_assert(std::is_same_v<T, float> || is_16bit_float<T>, "half or float only");
+  arithmetic<T>(name);
+}
+
+// Workspace the reductions need: one (value, index) pair per 256-byte repeat, in 32-byte units.
+template <typename T>
+uint32_t reduce_tmp_bytes(uint32_t count) {
+  uint32_t repeats = (count * sizeof(T) + emu::kRepeatBytes - 1) / emu::kRepeatBytes;
+  return emu::round_up(repeats * 2 * sizeof(T), emu::kAlign);
+}
+
+template <typename T>
+void reduction(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& src,
+               const LocalTensor<T>& tmp, uint32_t count, uint32_t dst_elems) {
+  floating<T>(name);
+  if (count == 0) emu::fail("ub-bounds", name, " of zero elements");
+  VecInstr(name)
+      .src(src, count * sizeof(T))
+      .dst(tmp, reduce_tmp_bytes<T>(count))
+      .dst(dst, dst_elems * sizeof(T), 2 * sizeof(T))
+      .run(false);
+}
+
+// Index of the first extreme element: max (Better = greater) or min (Better = less).
+template <typename T, typename Better>
+void reduce_extreme(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& src,
+                    const LocalTensor<T>& tmp, uint32_t count, bool cal_index, Better better) {
+  reduction(name, dst, src, tmp, count, cal_index ? 2 : 1);
+  const T* x = src.data();
+  uint32_t best = 0;
+  for (uint32_t i = 1; i < count; ++i)
+    if (better(load(x[i]), load(x[best]))) best = i;
+  T* d = dst.data();
+  d[0] = x[best];
+  if (cal_index) {  // the index is stored as the bits of an unsigned integer of T's width
+    using Index = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+    Index idx = static_cast<Index>(best);
+    std::memcpy(&d[1], &idx, sizeof(T));
+  }
+}
+
+}  // namespace detail
+
+#define EMU_BINARY(NAME, EXPR)                                                                 \
+  template <typename T>                                                                        \
+  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, \
+            uint32_t count) {                                                                  \
+    detail::binary(#NAME, dst, src0, src1, count, [](auto a, auto b) { return EXPR; });        \
+  }
+// clang-format off
+EMU_BINARY(Add, a + b)
+EMU_BINARY(Sub, a - b)
+EMU_BINARY(Mul, a * b)
+EMU_BINARY(Div, a / b)
+EMU_BINARY(Max, a > b ? a : b)
+EMU_BINARY(Min, a < b ? a : b)
+// clang-format on
+#undef EMU_BINARY
+
+#define EMU_SCALAR(NAME, EXPR)                                                  \
+  template <typename T>                                                         \
+  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src,               \
+            const typename detail::identity<T>::type& scalar, uint32_t count) { \
+    auto b = detail::load(scalar);                                              \
+    detail::unary(#NAME, dst, src, count, [b](auto a) { return EXPR; });        \
+  }
+// clang-format off
+EMU_SCALAR(Adds, a + b)
+EMU_SCALAR(Muls, a * b)
+EMU_SCALAR(Maxs, a > b ? a : b)
+// clang-format on
+#undef EMU_SCALAR
+
+#define EMU_UNARY(NAME, EXPR)                                                       \
+  template <typename T>                                                             \
+  void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) { \
+    detail::floating<T>(#NAME);                                                     \
+    detail::unary(#NAME, dst, src, count, [](auto a) { return EXPR; });             \
+  }
+EMU_UNARY(Exp, std::exp(a))
+EMU_UNARY(Ln, std::log(a))
+EMU_UNARY(Sqrt, std::sqrt(a))
+EMU_UNARY(Rsqrt, 1.0f / std::sqrt(a))
+#undef EMU_UNARY
+
+template <typename T>
+void Duplicate(const LocalTensor<T>& dst, const typename detail::identity<T>::type& value,
+               uint32_t count) {
+  detail::VecInstr("Duplicate").dst(dst, count * sizeof(T)).run();
+  T* d = dst.data();
+  for (uint32_t i = 0; i < count; ++i) d[i] = value;
+}
+
+// float <-> half / bfloat16_t; narrowing rounds to nearest even (CAST_RINT, or CAST_NONE, which
+// means the same for a lossy conversion).
+template <typename D, typename S>
+void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, RoundMode mode, uint32_t count) {
+  detail::VecInstr("Cast").src(src, count * sizeof(S)).dst(dst, count * sizeof(D)).run();
+  const S* x = src.data();
+  D* d = dst.data();
+  if constexpr (std::is_same_v<S, float> && detail::is_16bit_float<D>) {
+    if (mode != RoundMode::CAST_RINT && mode != RoundMode::CAST_NONE)
+      emu::fail("cast", "float -> 16-bit float: only CAST_RINT / CAST_NONE are modelled");
+    for (uint32_t i = 0; i < count; ++i) d[i] = D(x[i]);
+  } else if constexpr (detail::is_16bit_float<S> && std::is_same_v<D, float>) {
+    for (uint32_t i = 0; i < count; ++i) d[i] = static_cast<float>(x[i]);
+  } else {
+    static_assert(sizeof(D) == 0, "Cast between these types is not modelled");
+  }
+}
+
+// dst bit i (little-endian within each byte) = cmp(src0[i], src1[i]). On A2 the count form works
+// on whole 256-byte repeats, so count * sizeof(T) must be a multiple of 256.
+template <typename T, typename U>
+void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1,
+             CMPMODE mode, uint32_t count) {
+  static_assert(std::is_same_v<U, uint8_t>, "Compare writes a uint8_t bit mask");
+  detail::floating<T>("Compare");
+  if (count * sizeof(T) % emu::kRepeatBytes)
+    emu::fail("compare-256", "Compare of ", count, " x ", sizeof(T),
+              " bytes: the length must be a multiple ",
+              "of 256 bytes (pad the operands and compare whole repeats)");
+  const uint32_t bytes = count * sizeof(T);
+  detail::VecInstr("Compare").src(src0, bytes).src(src1, bytes).dst(dst, count / 8).run();
+  const T *a = src0.data(), *b = src1.data();
+  uint8_t* m = dst.data();
+  std::memset(m, 0, count / 8);
+  for (uint32_t i = 0; i < count; ++i) {
+    auto x = detail::load(a[i]), y = detail::load(b[i]);
+    bool bit = false;
+    switch (mode) {
+      case CMPMODE::LT: bit = x < y; break;
+      case CMPMODE::GT: bit = x > y; break;
+      case CMPMODE::EQ: bit = x == y; break;
+      case CMPMODE::LE: bit = x <= y; break;
+      case CMPMODE::GE: bit = x >= y; break;
+      case CMPMODE::NE: bit = x != y; break;
+    }
+    if (bit) m[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+  }
+}
+
+// dst[i] = mask bit i ? src0[i] : src1 (VSEL_TENSOR_SCALAR_MODE; the tensor-tensor mode is not
+// modelled).
+template <typename T, typename U>
+void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTensor<T>& src0,
+            const typename detail::identity<T>::type& src1, SELMODE mode, uint32_t count) {
+  detail::floating<T>("Select");
+  if (mode != SELMODE::VSEL_TENSOR_SCALAR_MODE)
+    emu::fail("select", "a scalar src1 needs VSEL_TENSOR_SCALAR_MODE");
+  const uint32_t bytes = count * sizeof(T);
+  detail::VecInstr("Select").src(mask, (count + 7) / 8).src(src0, bytes).dst(dst, bytes).run();
+  const uint8_t* m = mask.template ReinterpretCast<uint8_t>().data();
+  T *d = dst.data(), *a = src0.data();
+  for (uint32_t i = 0; i < count; ++i) d[i] = (m[i / 8] >> (i % 8)) & 1 ? a[i] : src1;
+}
+
+// dst[0] = sum; the emulation adds sequentially in float (hardware order differs in the last bits).
+template <typename T>
+void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp,
+               int32_t count) {
+  detail::reduction("ReduceSum", dst, src, tmp, count, 1);
+  const T* x = src.data();
+  detail::compute_t<T> sum = 0;
+  for (int32_t i = 0; i < count; ++i) sum += detail::load(x[i]);
+  dst.data()[0] = detail::store<T>(sum);
+}
+
+// dst[0] = max; with calIndex dst[1] holds the bits of the (first) maximal element's index.
+template <typename T>
+void ReduceMax(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp,
+               int32_t count, bool calIndex = false) {
+  detail::reduce_extreme("ReduceMax", dst, src, tmp, count, calIndex,
+                         [](auto a, auto b) { return a > b; });
+}
+
+template <typename T>
+void ReduceMin(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp,
+               int32_t count, bool calIndex = false) {
+  detail::reduce_extreme("ReduceMin", dst, src, tmp, count, calIndex,
+                         [](auto a, auto b) { return a < b; });
+}
+
+}  // namespace AscendC

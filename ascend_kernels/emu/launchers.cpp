@@ -1,0 +1,137 @@
+// Emulated host launchers (tests only): the Ascend C kernels of ascend_kernels/, compiled for x86
+// against the emulation, served as torch.ops.dflash_emu.* with the schemas of torch.ops.dflash.*.
+// They share validation, GEMMs and tiling with the NPU launchers (csrc/npu/ascend_host.h); only the
+// launch differs: emu::launch runs the blocks one after another in a shuffled order.
+#include <torch/library.h>
+
+#include "emu_runtime.h"
+#include "npu/ascend_host.h"
+
+extern "C" {
+void dflash_rejection_sample(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
+                             uint8_t*, uint8_t*);
+void dflash_context_kv_fp32(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
+void dflash_context_kv_fp16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
+void dflash_context_kv_bf16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
+}
+
+namespace dflash_emu {
+
+// Rule snippets of the emulation's unit tests (tests/ascend_emu_snippets.cpp): a kernel taking one
+// input and one output GM buffer, and the number of blocks to run it on.
+using SnippetKernel = void (*)(uint8_t* input, uint8_t* output);
+bool find_snippet(const std::string& name, uint32_t& blocks, SnippetKernel& kernel);
+
+namespace {
+
+// Set by the test-only op `configure`: the vector cores the launchers spread blocks over, and a
+// cap on rejection_sample's vocabulary tile (0: as large as the UB allows).
+struct Config {
+  uint32_t cores = 8;
+  uint32_t max_tile = 0;
+} config;
+
+// A GM buffer the kernel may touch: the whole extent of `t`'s elements, whatever its strides.
+emu::GmArg gm(const at::Tensor& t, bool writable, std::string name) {
+  int64_t last = 0;
+  for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
+  const size_t bytes = t.numel() ? (last + 1) * t.element_size() : 0;
+  return {t.data_ptr(), bytes, writable, std::move(name)};
+}
+
+using dflash::ascend::gm_ptr;
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_token_ids,
+                                                    const std::optional<at::Tensor>& draft_probs,
+                                                    const at::Tensor& target_probs,
+                                                    const at::Tensor& is_greedy,
+                                                    const at::Tensor& uniform,
+                                                    const at::Tensor& exponential) {
+  auto l = dflash::ascend::prepare_rejection_sample(draft_token_ids, draft_probs, target_probs,
+                                                    is_greedy, uniform, exponential, config.cores,
+                                                    dflash::ascend::kUbBytes, config.max_tile);
+  if (l.block_dim == 0) return {l.out_ids, l.num_accepted};
+  std::vector<emu::GmArg> args{
+      gm(l.draft_ids, false, "draft_token_ids"), gm(l.target_probs, false, "target_probs"),
+      gm(l.is_greedy, false, "is_greedy"),       gm(l.uniform, false, "uniform"),
+      gm(l.exponential, false, "exponential"),   gm(l.out_ids, true, "output_token_ids"),
+      gm(l.num_accepted, true, "num_accepted"),  gm(l.tiling_gm, false, "tiling")};
+  if (l.draft_probs.defined()) args.push_back(gm(l.draft_probs, false, "draft_probs"));
+  emu::launch(l.block_dim, std::move(args), [&] {
+    dflash_rejection_sample(gm_ptr(l.draft_ids), gm_ptr(l.draft_probs), gm_ptr(l.target_probs),
+                            gm_ptr(l.is_greedy), gm_ptr(l.uniform), gm_ptr(l.exponential),
+                            gm_ptr(l.out_ids), gm_ptr(l.num_accepted), gm_ptr(l.tiling_gm));
+  });
+  return {l.out_ids, l.num_accepted};
+}
+
+void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
+                const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
+                const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
+                const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                const at::Tensor& slot_mapping, at::TensorList key_caches,
+                at::TensorList value_caches, double eps) {
+  auto l = dflash::ascend::prepare_context_kv(
+      hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
+      cos_sin_cache, slot_mapping, key_caches, value_caches, eps, config.cores);
+  if (l.block_dim == 0) return;
+  std::vector<emu::GmArg> args{gm(l.kv, false, "kv"),
+                               gm(l.k_norm_weight, false, "k_norm_weight"),
+                               gm(l.positions, false, "positions"),
+                               gm(l.cos_sin, false, "cos_sin_cache"),
+                               gm(l.slots, false, "slot_mapping"),
+                               gm(l.cache_table, false, "cache_table"),
+                               gm(l.tiling_gm, false, "tiling")};
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    args.push_back(gm(key_caches[i], true, "key_caches[" + std::to_string(i) + "]"));
+    args.push_back(gm(value_caches[i], true, "value_caches[" + std::to_string(i) + "]"));
+  }
+  auto kernel = l.dtype_code == 0   ? dflash_context_kv_fp32
+                : l.dtype_code == 1 ? dflash_context_kv_fp16
+                                    : dflash_context_kv_bf16;
+  emu::launch(l.block_dim, std::move(args), [&] {
+    kernel(gm_ptr(l.kv), gm_ptr(l.k_norm_weight), gm_ptr(l.positions), gm_ptr(l.cos_sin),
+           gm_ptr(l.slots), gm_ptr(l.cache_table), gm_ptr(l.tiling_gm));
+  });
+}
+
+void configure(int64_t cores, int64_t max_tile) {
+  TORCH_CHECK_VALUE(cores >= 1 && max_tile >= 0, "configure: cores >= 1 and max_tile >= 0");
+  config.cores = static_cast<uint32_t>(cores);
+  config.max_tile = static_cast<uint32_t>(max_tile);
+}
+
+// Runs a rule snippet; returns the order in which its blocks ran.
+std::vector<int64_t> run_snippet(const std::string& name, const at::Tensor& input,
+                                 const at::Tensor& output) {
+  uint32_t blocks = 0;
+  SnippetKernel kernel = nullptr;
+  TORCH_CHECK_VALUE(find_snippet(name, blocks, kernel), "unknown snippet ", name);
+  TORCH_CHECK_VALUE(input.is_contiguous() && output.is_contiguous(),
+                    "snippet buffers must be contiguous");
+  emu::launch(blocks, {gm(input, false, "input"), gm(output, true, "output")},
+              [&] { kernel(gm_ptr(input), gm_ptr(output)); });
+  const auto& order = emu::last_order();
+  return {order.begin(), order.end()};
+}
+
+}  // namespace
+}  // namespace dflash_emu
+
+TORCH_LIBRARY(dflash_emu, m) {
+  m.def(
+      "context_kv(Tensor hidden, Tensor? fc_weight, Tensor hidden_norm_weight, Tensor kv_weight, "
+      "Tensor? kv_bias, Tensor k_norm_weight, Tensor positions, Tensor cos_sin_cache, "
+      "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()");
+  m.def(
+      "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
+      "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
+  m.def("configure(int cores, int max_tile) -> ()", &dflash_emu::configure);
+  m.def("run_snippet(str name, Tensor input, Tensor(a!) output) -> int[]",
+        &dflash_emu::run_snippet);
+}
+
+TORCH_LIBRARY_IMPL(dflash_emu, CPU, m) {
+  m.impl("context_kv", &dflash_emu::context_kv);
+  m.impl("rejection_sample", &dflash_emu::rejection_sample);
+}

@@ -1,0 +1,80 @@
+// Host-side tiling of dflash's Ascend C kernels. The NPU launchers (csrc/npu/) and the emulated
+// launchers of the tests both include this header, so the emulation runs the kernels with exactly
+// the parameters the NPU gets.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "tiling_data.h"
+
+namespace dflash::ascend {
+
+constexpr uint64_t kUbBytes = 192 * 1024;  // unified buffer of one 910B vector core
+
+inline uint64_t align32(uint64_t bytes) { return (bytes + 31) / 32 * 32; }
+
+// Workspace of the count-form reductions: one (value, index) pair per 256-byte repeat.
+inline uint32_t reduce_tmp_elems(uint32_t count, uint32_t elem_bytes) {
+  const uint64_t repeats = (static_cast<uint64_t>(count) * elem_bytes + 255) / 256;
+  return static_cast<uint32_t>(align32(repeats * 2 * elem_bytes) / elem_bytes);
+}
+
+// The UB the rejection_sample kernel's InitBuffer calls take.
+inline uint64_t rejection_sample_ub_bytes(const RejectionSampleTiling& t) {
+  const uint64_t tile = align32(uint64_t{t.tile} * 4);
+  const uint64_t queues = (t.dense ? 3 : 2) * 2 * tile;  // p, e (and q), double buffered
+  return queues + 3 * tile + align32(t.tile / 8) + align32(uint64_t{t.reduce_tmp} * 4) +
+         align32(3 * 8 * 4) + align32((uint64_t{t.drafts} + 1) * 8) + align32(8);
+}
+
+// The largest vocabulary tile (a multiple of 64 floats, so Compare sees whole 256-byte repeats;
+// at most `max_tile` when non-zero) whose buffers fit in `ub_bytes`. tile == 0: nothing fits.
+inline RejectionSampleTiling rejection_sample_tiling(uint32_t batch, uint32_t drafts,
+                                                     uint32_t vocab, bool dense,
+                                                     uint64_t ub_bytes = kUbBytes,
+                                                     uint32_t max_tile = 0) {
+  RejectionSampleTiling t{batch, drafts, vocab, dense ? 1u : 0u, 0, 0};
+  uint32_t cap = (vocab + 63) / 64 * 64;
+  if (max_tile) cap = std::min(cap, std::max(64u, max_tile / 64 * 64));
+  for (uint32_t tile = cap; tile >= 64; tile -= 64) {
+    t.tile = tile;
+    t.reduce_tmp = reduce_tmp_elems(tile, 4);
+    if (rejection_sample_ub_bytes(t) <= ub_bytes) return t;
+  }
+  t.tile = 0;
+  return t;
+}
+
+// Half a head (D / 2 elements) rounded up to 32 bytes of the cache dtype: its stride in the UB.
+inline uint32_t context_kv_half_pad(uint32_t head_dim, uint32_t elem_bytes) {
+  return static_cast<uint32_t>(align32(uint64_t{head_dim} / 2 * elem_bytes) / elem_bytes);
+}
+
+inline ContextKvTiling context_kv_tiling(uint32_t tokens, uint32_t layers, uint32_t kv_heads,
+                                         uint32_t head_dim, uint32_t block_size,
+                                         uint32_t elem_bytes, float eps) {
+  const uint32_t pad = context_kv_half_pad(head_dim, elem_bytes);
+  return ContextKvTiling{
+      tokens, layers, kv_heads, head_dim, pad, block_size, reduce_tmp_elems(2 * pad, 4), eps};
+}
+
+// The UB the context_kv kernel's InitBuffer calls take for a cache dtype of `elem_bytes`.
+inline uint64_t context_kv_ub_bytes(const ContextKvTiling& t, uint32_t elem_bytes) {
+  const uint64_t lanes = uint64_t{t.kv_heads} * 2 * t.half_pad;
+  const uint64_t weights = 2ull * t.layers * t.half_pad;
+  uint64_t bytes = 2 * 2 * align32(lanes * elem_bytes);  // K in / out queues, double buffered
+  if (elem_bytes != 4) bytes += align32(lanes * 4) + align32(weights * elem_bytes);  // float copies
+  bytes += 2 * align32(lanes * 4) + align32(weights * 4);            // products, weights
+  bytes += align32(2 * ((t.head_dim / 2 + 7) / 8 * 8) * 4);          // cos | sin
+  bytes += align32(uint64_t{t.kv_heads} * t.head_dim * elem_bytes);  // V row
+  bytes += 2 * align32(uint64_t{t.kv_heads} * 8 * 4) + align32(uint64_t{t.reduce_tmp} * 4);
+  return bytes;
+}
+
+// One block per work item (sequence or token) up to the number of vector cores.
+inline uint32_t block_dim(uint64_t items, uint32_t cores) {
+  return static_cast<uint32_t>(std::min<uint64_t>(items, std::max(cores, 1u)));
+}
+
+}  // namespace dflash::ascend

@@ -1,0 +1,291 @@
+// Host side of dflash's Ascend C ops, shared by the NPU launchers in this folder and by the
+// emulated launchers the tests build (ascend_kernels/emu/launchers.cpp): input validation with the
+// messages of dflash/checks.py, the GEMMs context_kv runs before its kernel, the tiling and the
+// kernel arguments. Everything here is device-agnostic ATen code; only the launch itself differs.
+#pragma once
+
+#include <charconv>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "cpu/common.h"
+#include "tiling.h"
+
+namespace dflash::ascend {
+
+template <typename... Parts>
+[[noreturn]] void fail(const char* op, const Parts&... parts) {
+  TORCH_CHECK_VALUE(false, op, ": ", parts...);
+  abort();  // unreachable: TORCH_CHECK_VALUE(false, ...) throws
+}
+
+// Python's repr of a float (shortest round trip, "1.0" rather than "1").
+inline std::string py_float(double v) {
+  char buf[32];
+  auto end = std::to_chars(buf, buf + sizeof(buf), v).ptr;
+  std::string s(buf, end);
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
+  return s;
+}
+
+// checks.tensor: `t` has one of `dtypes`, rank `dim`, sizes `shape` (-1 = any) and `device`.
+inline void check_tensor(const char* op, const std::string& name, const at::Tensor& t,
+                         std::initializer_list<at::ScalarType> dtypes, int64_t dim,
+                         const std::vector<int64_t>& shape = {},
+                         const std::optional<at::Device>& device = std::nullopt) {
+  if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
+    std::string expected;
+    for (auto d : dtypes) expected += (expected.empty() ? "" : " or ") + dtype_str(d);
+    fail(op, name, " has dtype ", dtype_str(t.scalar_type()), ", expected ", expected);
+  }
+  if (t.dim() != dim) fail(op, name, " must be ", dim, "-D, got shape ", shape_str(t));
+  for (size_t i = 0; i < shape.size() && static_cast<int64_t>(i) < t.dim(); ++i) {
+    if (shape[i] >= 0 && t.size(i) != shape[i])
+      fail(op, name, " has shape ", shape_str(t), ", expected size ", shape[i], " in dim ", i);
+  }
+  if (device && t.device() != *device)
+    fail(op, name, " is on ", t.device(), ", expected ", *device);
+}
+
+// A kernel argument: the GM address of `t`, or nullptr for an absent optional tensor.
+inline uint8_t* gm_ptr(const at::Tensor& t) {
+  return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr;
+}
+
+// Copies a tiling struct into a byte tensor on `device` (the kernels read it from GM).
+template <typename T>
+at::Tensor tiling_tensor(const T& tiling, const at::Device& device) {
+  at::Tensor bytes = at::empty({static_cast<int64_t>(sizeof(T))}, at::kByte);
+  std::memcpy(bytes.data_ptr(), &tiling, sizeof(T));
+  return bytes.to(device);
+}
+
+// ---------------------------------------------------------------------------------------------
+// rejection_sample
+// ---------------------------------------------------------------------------------------------
+
+inline void check_probs(const char* op, const char* name, const at::Tensor& probs) {
+  at::Tensor bad = (~at::isfinite(probs) | (probs < 0)).any(-1).nonzero().cpu();
+  if (bad.size(0) == 0) return;
+  const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
+  const char* what = at::isfinite(probs[b][i]).all().item<bool>() ? "negative" : "NaN/Inf";
+  fail(op, name, " row (sequence ", b, ", position ", i, ") has ", what, " probabilities");
+}
+
+inline void check_rejection_sample(const at::Tensor& draft_token_ids,
+                                   const std::optional<at::Tensor>& draft_probs,
+                                   const at::Tensor& target_probs, const at::Tensor& is_greedy,
+                                   const at::Tensor& uniform, const at::Tensor& exponential) {
+  constexpr const char* op = "rejection_sample";
+  check_tensor(op, "draft_token_ids", draft_token_ids, {at::kLong}, 2);
+  const auto dev = draft_token_ids.device();
+  const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1);
+  check_tensor(op, "target_probs", target_probs, {at::kFloat}, 3, {bs, k + 1, -1}, dev);
+  const int64_t v = target_probs.size(2);
+  if (v <= 0) fail(op, "target_probs has an empty vocabulary");
+  if (draft_probs) check_tensor(op, "draft_probs", *draft_probs, {at::kFloat}, 3, {bs, k, v}, dev);
+  check_tensor(op, "is_greedy", is_greedy, {at::kBool}, 1, {bs}, dev);
+  check_tensor(op, "uniform", uniform, {at::kFloat}, 2, {bs, k}, dev);
+  check_tensor(op, "exponential", exponential, {at::kFloat}, 2, {bs, v}, dev);
+
+  at::Tensor bad = ((draft_token_ids < 0) | (draft_token_ids >= v)).nonzero().cpu();
+  if (bad.size(0)) {
+    const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
+    fail(op, "draft_token_ids[", b, ", ", i, "] = ", draft_token_ids[b][i].item<int64_t>(),
+         " is outside the vocabulary of ", v);
+  }
+  check_probs(op, "target_probs", target_probs);
+  if (draft_probs) check_probs(op, "draft_probs", *draft_probs);
+  bad = (~((uniform >= 0) & (uniform < 1))).nonzero().cpu();
+  if (bad.size(0)) {
+    const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
+    fail(op, "uniform[", b, ", ", i, "] = ", py_float(uniform[b][i].item<double>()),
+         " is outside [0, 1)");
+  }
+  bad = (~((exponential > 0) & at::isfinite(exponential))).any(-1).nonzero().cpu();
+  if (bad.size(0))
+    fail(op, "exponential row ", bad[0][0].item<int64_t>(),
+         " must be positive and finite (Exp(1) noise)");
+}
+
+struct RejectionSampleLaunch {
+  RejectionSampleTiling tiling;
+  uint32_t block_dim;  // 0: empty batch, nothing to launch
+  at::Tensor draft_ids, draft_probs, target_probs, is_greedy, uniform,
+      exponential;  // contiguous inputs
+  at::Tensor out_ids, num_accepted, tiling_gm;
+};
+
+inline RejectionSampleLaunch prepare_rejection_sample(
+    const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
+    const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
+    const at::Tensor& exponential, uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    uint32_t max_tile = 0) {
+  check_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                         exponential);
+  const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1), v = target_probs.size(2);
+  RejectionSampleLaunch l;
+  l.tiling = rejection_sample_tiling(bs, k, v, draft_probs.has_value(), ub_bytes, max_tile);
+  if (l.tiling.tile == 0)
+    fail("rejection_sample", k,
+         " draft tokens per sequence do not fit the Ascend kernel's unified buffer");
+  l.block_dim = block_dim(bs, cores);
+  l.draft_ids = draft_token_ids.contiguous();
+  if (draft_probs) l.draft_probs = draft_probs->contiguous();
+  l.target_probs = target_probs.contiguous();
+  l.is_greedy = is_greedy.contiguous();
+  l.uniform = uniform.contiguous();
+  l.exponential = exponential.contiguous();
+  l.out_ids = at::empty({bs, k + 1}, draft_token_ids.options());
+  l.num_accepted = at::empty({bs}, draft_token_ids.options());
+  l.tiling_gm = tiling_tensor(l.tiling, draft_token_ids.device());
+  return l;
+}
+
+// ---------------------------------------------------------------------------------------------
+// context_kv
+// ---------------------------------------------------------------------------------------------
+
+inline void check_context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
+                             const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
+                             const std::optional<at::Tensor>& kv_bias,
+                             const at::Tensor& k_norm_weight, const at::Tensor& positions,
+                             const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+                             at::TensorList key_caches, at::TensorList value_caches, double eps) {
+  constexpr const char* op = "context_kv";
+  const std::initializer_list<at::ScalarType> floats{at::kFloat, at::kBFloat16, at::kHalf};
+  check_tensor(op, "hidden", hidden, floats, 2);
+  const auto dtype = hidden.scalar_type();
+  const auto dev = hidden.device();
+  const int64_t n = hidden.size(0), d_in = hidden.size(1);
+  int64_t h = d_in;
+  if (fc_weight) {
+    check_tensor(op, "fc_weight", *fc_weight, {dtype}, 2, {-1, d_in}, dev);
+    h = fc_weight->size(0);
+  }
+  check_tensor(op, "hidden_norm_weight", hidden_norm_weight, {dtype}, 1, {h}, dev);
+  check_tensor(op, "k_norm_weight", k_norm_weight, {dtype}, 2, {}, dev);
+  const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
+  if (d % 2) fail(op, "head_dim ", d, " must be even for rotate-half RoPE");
+  if (static_cast<int64_t>(key_caches.size()) != layers ||
+      static_cast<int64_t>(value_caches.size()) != layers)
+    fail(op, "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ",
+         key_caches.size(), " key and ", value_caches.size(), " value caches");
+  if (layers <= 0) fail(op, "k_norm_weight must describe at least one layer");
+  check_tensor(op, "key_caches[0]", key_caches[0], {dtype}, 4, {}, dev);
+  const auto cache_shape = key_caches[0].sizes().vec();
+  const int64_t hkv = cache_shape[2];
+  if (cache_shape[3] != d)
+    fail(op, "key_caches[0] has head_dim ", cache_shape[3], ", k_norm_weight has ", d);
+  for (auto [name, caches] :
+       {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
+    for (size_t i = 0; i < caches.size(); ++i)
+      check_tensor(op, std::string(name) + "[" + std::to_string(i) + "]", caches[i], {dtype}, 4,
+                   cache_shape, dev);
+  }
+  const int64_t rows = layers * 2 * hkv * d;
+  check_tensor(op, "kv_weight", kv_weight, {dtype}, 2, {}, dev);
+  if (kv_weight.size(0) != rows || kv_weight.size(1) != h)
+    fail(op, "kv_weight has shape ", shape_str(kv_weight), ", expected [", rows, ", ", h,
+         "] (L=", layers, " x 2 x Hkv=", hkv, " x D=", d, " rows, hidden ", h, ")");
+  if (kv_bias) check_tensor(op, "kv_bias", *kv_bias, {dtype}, 1, {rows}, dev);
+  check_tensor(op, "positions", positions, {at::kLong}, 1, {n}, dev);
+  check_tensor(op, "slot_mapping", slot_mapping, {at::kLong}, 1, {n}, dev);
+  check_tensor(op, "cos_sin_cache", cos_sin_cache, {at::kFloat}, 2, {-1, d}, dev);
+  if (!(eps >= 0)) fail(op, "eps must be non-negative, got ", py_float(eps));
+
+  const int64_t max_pos = cos_sin_cache.size(0);
+  at::Tensor bad = ((positions < 0) | (positions >= max_pos)).nonzero().cpu();
+  if (bad.size(0)) {
+    const int64_t t = bad[0][0].item<int64_t>();
+    fail(op, "positions[", t, "] = ", positions[t].item<int64_t>(),
+         " is out of range for a cos_sin_cache of ", max_pos, " positions");
+  }
+  const int64_t num_slots = cache_shape[0] * cache_shape[1];
+  bad = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero().cpu();
+  if (bad.size(0)) {
+    const int64_t t = bad[0][0].item<int64_t>();
+    fail(op, "slot_mapping[", t, "] = ", slot_mapping[t].item<int64_t>(),
+         " is out of range for a cache of ", cache_shape[0], " blocks x ", cache_shape[1],
+         " slots (valid: -1 to ", num_slots - 1, ")");
+  }
+}
+
+struct ContextKvLaunch {
+  ContextKvTiling tiling;
+  uint32_t block_dim;  // 0: no tokens, nothing to launch
+  int dtype_code;      // 0 float32, 1 float16, 2 bfloat16: which kernel
+  at::Tensor kv, k_norm_weight, positions, cos_sin, slots, cache_table, tiling_gm;
+};
+
+// When several tokens map to one slot the last one wins, as in the reference; the kernel's blocks
+// run in any order, so the earlier tokens are skipped (slot -1) instead of racing.
+inline at::Tensor last_writer_slots(const at::Tensor& slots) {
+  at::Tensor order = std::get<1>(slots.sort(/*stable=*/std::optional<bool>(true), /*dim=*/0));
+  at::Tensor sorted = slots.index_select(0, order);
+  at::Tensor last = at::ones_like(sorted, sorted.options().dtype(at::kBool));
+  if (slots.size(0) > 1) last.slice(0, 0, -1).copy_(sorted.slice(0, 1) != sorted.slice(0, 0, -1));
+  at::Tensor keep = at::empty_like(last).index_put_({order}, last);
+  return at::where(keep, slots, at::full_like(slots, -1));
+}
+
+inline ContextKvLaunch prepare_context_kv(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
+    const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
+    const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
+    const at::Tensor& positions, const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+    at::TensorList key_caches, at::TensorList value_caches, double eps, uint32_t cores,
+    uint64_t ub_bytes = kUbBytes) {
+  constexpr const char* op = "context_kv";
+  check_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+                   positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
+  const auto dtype = hidden.scalar_type();
+  const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
+  const int64_t hkv = key_caches[0].size(2);
+  for (auto [name, caches] :
+       {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
+    for (size_t i = 0; i < caches.size(); ++i) {
+      if (caches[i].stride(3) != 1 || caches[i].stride(2) != d)
+        fail(op, name, "[", i, "] must have contiguous [Hkv, D] rows for the Ascend kernel");
+    }
+  }
+  const auto elem = static_cast<uint32_t>(at::elementSize(dtype));
+  ContextKvLaunch l;
+  l.tiling = context_kv_tiling(hidden.size(0), layers, hkv, d, key_caches[0].size(1), elem,
+                               static_cast<float>(eps));
+  const uint64_t need = context_kv_ub_bytes(l.tiling, elem);
+  if (need > ub_bytes)
+    fail(op, "Hkv=", hkv, " x D=", d, " over ", layers, " layers needs ", need,
+         " bytes of unified buffer in the Ascend kernel, more than the ", ub_bytes, " available");
+  l.block_dim = block_dim(hidden.size(0), cores);
+  l.dtype_code = dtype == at::kFloat ? 0 : dtype == at::kHalf ? 1 : 2;
+
+  // The GEMMs and the hidden RMSNorm, with exactly the ATen calls of dflash.reference.
+  at::Tensor x = fc_weight ? at::linear(hidden, *fc_weight) : hidden;
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor c =
+      (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps) * hidden_norm_weight.to(at::kFloat))
+          .to(dtype);
+  l.kv = at::linear(c, kv_weight, kv_bias).contiguous();
+  l.k_norm_weight = k_norm_weight.contiguous();
+  l.positions = positions.contiguous();
+  l.cos_sin = cos_sin_cache.contiguous();
+  l.slots = last_writer_slots(slot_mapping.contiguous());
+
+  at::Tensor table = at::empty({layers, 2, 3}, at::kLong);
+  auto entry = table.accessor<int64_t, 3>();
+  for (int64_t i = 0; i < layers; ++i) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const at::Tensor& cache = kind == 0 ? key_caches[i] : value_caches[i];
+      entry[i][kind][0] = reinterpret_cast<int64_t>(cache.data_ptr());
+      entry[i][kind][1] = cache.stride(0);
+      entry[i][kind][2] = cache.stride(1);
+    }
+  }
+  l.cache_table = table.to(hidden.device());
+  l.tiling_gm = tiling_tensor(l.tiling, hidden.device());
+  return l;
+}
+
+}  // namespace dflash::ascend

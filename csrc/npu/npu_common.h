@@ -1,0 +1,37 @@
+// What the NPU launchers ask the device: vector cores and unified-buffer size (CANN platform API).
+// Compiled only by the NPU build (ascend_kernels/CMakeLists.txt).
+#pragma once
+
+#include <algorithm>
+
+#include "ascend_host.h"
+#include "tiling/platform/platform_ascendc.h"
+#include "torch_npu/csrc/core/npu/NPUStream.h"
+#include "torch_npu/csrc/framework/OpCommand.h"
+
+namespace dflash::ascend {
+
+inline uint32_t vector_cores() {
+  return platform_ascendc::PlatformAscendCManager::GetInstance()->GetCoreNumAiv();
+}
+
+inline uint64_t ub_bytes() {
+  uint64_t ub = 0;
+  platform_ascendc::PlatformAscendCManager::GetInstance()->GetCoreMemSize(
+      platform_ascendc::CoreMemType::UB, ub);
+  return ub ? std::min(ub, kUbBytes) : kUbBytes;
+}
+
+// Queues `launch(stream)` on the current NPU stream through torch_npu's task queue.
+template <typename Launch>
+void run_on_stream(const char* name, Launch launch) {
+  at_npu::native::OpCommand cmd;
+  cmd.Name(name);
+  cmd.SetCustomHandler([launch]() -> int {
+    launch(c10_npu::getCurrentNPUStream().stream(false));
+    return 0;
+  });
+  cmd.Run();
+}
+
+}  // namespace dflash::ascend

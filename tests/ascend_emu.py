@@ -1,0 +1,54 @@
+"""Test-only build of the Ascend C kernels for x86, against the emulation in ascend_kernels/emu.
+
+`ops()` compiles ascend_kernels/*.cpp (the same sources the NPU build compiles with CANN), the
+emulated launchers and the rule snippets into one library, loads it and returns
+`torch.ops.dflash_emu`. The build is cached in build/ascend_emu and only recompiles what changed.
+Nothing here is part of the dflash package.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "ascend_kernels"
+SOURCES = [
+    KERNELS / "emu" / "launchers.cpp",
+    KERNELS / "rejection_sample.cpp",
+    KERNELS / "context_kv.cpp",
+    ROOT / "tests" / "ascend_emu_snippets.cpp",
+]
+INCLUDES = [KERNELS / "emu", KERNELS, ROOT / "csrc"]
+
+
+def _headers_digest() -> str:
+    """torch's JIT cache keys on the .cpp sources only; fold the headers into the flags too."""
+    digest = hashlib.sha256()
+    for header in sorted([*KERNELS.rglob("*.h"), *(ROOT / "csrc").rglob("*.h")]):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def ops():
+    from torch.utils.cpp_extension import load
+
+    build = ROOT / "build" / "ascend_emu"
+    build.mkdir(parents=True, exist_ok=True)
+    load(
+        name="dflash_ascend_emu",
+        sources=[str(s) for s in SOURCES],
+        extra_include_paths=[str(i) for i in INCLUDES],
+        # C++17: what the Ascend C compiler accepts, so kernels cannot drift past it.
+        # -ffp-contract=off: no fused multiply-adds; every vector op rounds like the reference.
+        extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off", "-DDFLASH_ASCEND_EMU",
+                      f"-DDFLASH_EMU_HEADERS={_headers_digest()}"],
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.dflash_emu

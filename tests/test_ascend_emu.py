@@ -1,0 +1,152 @@
+"""The CPU emulation of the Ascend C API (ascend_kernels/emu) enforces the hardware rules.
+
+Every rule has a kernel snippet that breaks it (tests/ascend_emu_snippets.cpp, `*_bad`) and the
+emulation must stop it with an error naming the rule; where the job can be done legally, a twin
+(`*_ok`) does it and its result is checked against torch.
+"""
+
+import pytest
+import torch
+from ascend_emu import ops
+
+SENTINEL = 7.0
+
+
+def run(name, inp=None):
+    """Runs snippet `name` on `inp` (256 floats) and a sentinel-filled output; returns both and the
+    order in which the blocks ran."""
+    inp = torch.randn(256, generator=torch.Generator().manual_seed(0)) if inp is None else inp
+    out = torch.full((256,), SENTINEL)
+    order = ops().run_snippet(name, inp, out)
+    return inp, out, order
+
+
+@pytest.mark.parametrize("rule, snippet, message", [
+    ("dma-granularity", "dma_granularity_bad", "moves 36 bytes, not a multiple of 32"),
+    ("alignment", "alignment_bad", "starts at UB byte 12, not 32-byte aligned"),
+    ("ub-bounds", "ub_bounds_bad", "covers 512 bytes of a tensor of 256"),
+    ("ub-budget", "ub_budget_bad", "the unified buffer has 196608 bytes"),
+    ("queue-depth", "queue_alloc_bad", "all 2 buffers of this queue are in use"),
+    ("queue-depth", "queue_enque_bad", "already holds its depth of 1"),
+    ("queue-depth", "queue_deque_bad", "DeQue on an empty queue"),
+    ("bf16-arith", "bf16_arith_bad", "Add on bfloat16_t"),
+    ("compare-256", "compare_bad", "must be a multiple of 256 bytes"),
+    ("overlap", "overlap_bad", "operands .* overlap"),
+    ("sync", "sync_v_s_bad", r"GetValue \(pipe S\) reads UB last written by pipe V .*V_S"),
+    ("sync", "sync_mte2_v_bad", r"Muls \(pipe V\) reads UB last written by pipe MTE2 .*MTE2_V"),
+    ("sync", "sync_v_v_bad", r"Adds \(pipe V\) reads UB last written by pipe V .*PIPE_V"),
+    ("sync", "sync_v_mte3_bad", r"UB->GM \(pipe MTE3\) reads UB last written by pipe V .*V_MTE3"),
+    ("sync", "sync_s_mte3_bad", r"UB->GM \(pipe MTE3\) reads UB last written by pipe S .*S_MTE3"),
+    ("sync", "sync_war_bad", r"GM->UB \(pipe MTE2\) overwrites UB still being read by pipe V"),
+    ("sync", "pipe_s_bad", "PipeBarrier<PIPE_S> raises a hardware error"),
+    ("event", "event_deadlock_bad", "WaitFlag<V_S>.* without a matching SetFlag"),
+    ("event", "event_leftover_bad", "never waited"),
+    ("gm-bounds", "gm_bounds_bad", "outside every tensor passed to the kernel"),
+    ("gm-bounds", "gm_readonly_bad", "writes to read-only input input"),
+    ("block-race", "block_race_bad", "both write the same GM bytes"),
+    ("dma-params", "dma_params_bad", "padding may not exceed 32 bytes"),
+    ("cast", "cast_mode_bad", "only CAST_RINT / CAST_NONE"),
+    ("select", "select_mode_bad", "needs VSEL_TENSOR_SCALAR_MODE"),
+    ("queue", "queue_free_bad", "FreeTensor of a tensor this queue does not hold"),
+])
+def test_violation_is_caught(rule, snippet, message):
+    with pytest.raises(RuntimeError, match=rf"ascend-emu \[{rule}\] .*{message}"):
+        run(snippet)
+
+
+def test_data_copy_pad_moves_exactly_the_requested_bytes():
+    inp, out, _ = run("dma_granularity_ok")
+    assert torch.equal(out[:9], inp[:9])
+    assert (out[9:] == SENTINEL).all()  # a 32-byte DataCopy would have overrun into out[9:16]
+
+
+def test_aligned_operand_and_exact_budget_are_accepted():
+    _, out, _ = run("alignment_ok")
+    assert (out[:8] == 1).all() and (out[8:] == SENTINEL).all()
+    run("ub_budget_ok")
+
+
+def test_queue_used_within_its_buffers_and_depth():
+    run("queue_alloc_ok")
+    run("queue_enque_ok")
+
+
+def test_bf16_computed_in_float_matches_torch():
+    inp, out, _ = run("bf16_arith_ok")
+    expected = (2 * inp[:64].bfloat16().float()).bfloat16().float()
+    assert torch.equal(out[:64], expected)
+
+
+def test_casts_round_to_nearest_even_like_torch():
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, 3e38, -0.0,
+                         float("inf"), float("-inf")])
+    half_cases = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 65504.0, 65519.0, 65520.0, 1e5,
+                               2**-24, 2**-25, 3 * 2**-26, 2**-14 - 2**-25, 1e-9, -(2**-24)])
+    inp = torch.randn(256, generator=torch.Generator().manual_seed(1)) * 100
+    inp[:len(ties)] = ties
+    inp[128:128 + len(half_cases)] = half_cases
+    _, out, _ = run("cast_roundtrip_ok", inp)
+    assert torch.equal(out[:128], inp[:128].bfloat16().float())
+    assert torch.equal(out[128:], inp[128:].half().float())
+
+
+def test_reduce_max_reports_the_first_maximal_index():
+    inp = torch.rand(256)
+    inp[[37, 64, 190]] = 5.0  # tied maxima in different repeats; index 230 is past the count
+    inp[230] = 9.0
+    _, out, _ = run("reduce_max_index_ok", inp)
+    assert out[0] == 5.0
+    assert out[1:2].view(torch.int32).item() == 37
+
+
+def test_elementwise_ops_match_torch():
+    inp = torch.randn(256, generator=torch.Generator().manual_seed(2))
+    inp[32:64] = inp[32:64].abs() + 0.1
+    _, out, _ = run("elementwise_ok", inp)
+    x, y = inp[:32], inp[32:64]
+    expected = torch.cat([torch.maximum(x, y), torch.minimum(x, y), x - y, x / y, x.exp(),
+                          y.log(), y.sqrt(), y.rsqrt()])
+    torch.testing.assert_close(out, expected)
+
+
+def test_compare_select_match_torch():
+    inp, out, _ = run("compare_ok")
+    expected = torch.where(inp[:64] < inp[64:128], inp[:64], torch.tensor(-1.0))
+    assert torch.equal(out[:64], expected)
+
+
+@pytest.mark.parametrize("snippet, loaded", [("poison_fresh", 8), ("poison_pad", 5)])
+def test_unwritten_ub_reads_as_nan(snippet, loaded):
+    # Reading UB the kernel never wrote (fresh buffers, DataCopyPad padding without isPad) yields
+    # NaN, so a kernel relying on it fails its comparison instead of passing by luck.
+    _, out, _ = run(f"{snippet}_bad")
+    assert torch.isnan(out[0])
+    inp, out, _ = run(f"{snippet}_ok")
+    torch.testing.assert_close(out[0], inp[:loaded].sum())
+
+
+def test_legal_twins_compute_the_right_values():
+    inp, out, _ = run("overlap_ok")
+    assert torch.equal(out[:64], inp[:64] + inp[64:128])
+    inp, out, _ = run("sync_v_s_ok")
+    assert out[0] == inp[:64].max()
+    inp, out, _ = run("sync_ok")
+    assert torch.equal(out[:64], inp[:64] * 2 + 1)
+    inp, out, _ = run("sync_war_ok")
+    assert torch.equal(out[:64], inp[:64] * 2 + inp[64:128])
+    inp, out, _ = run("sync_queue_ok")
+    assert torch.equal(out[:128], inp[:128] * 2 + 1)
+    run("event_ok")
+
+
+def test_blocks_run_once_each_in_shuffled_order():
+    orders = []
+    for _ in range(3):
+        _, out, order = run("block_race_ok")
+        assert sorted(order) == list(range(16))
+        orders.append(order)
+        slots = out[:128].view(16, 8)
+        assert torch.equal(slots[:, 0], torch.arange(16.0))  # GetBlockIdx
+        assert (slots[:, 1:] == 16).all()                     # GetBlockNum
+    assert any(o != list(range(16)) for o in orders)
+    assert len({tuple(o) for o in orders}) > 1  # a fresh shuffle every launch

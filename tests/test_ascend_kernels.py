@@ -1,0 +1,162 @@
+"""dflash's Ascend C kernels, compiled for x86 against the emulation, against dflash.reference.
+
+rejection_sample must return the reference's tokens exactly (same noise); context_kv must write
+K within one ulp of a bfloat16/float16 cache (float32 caches: within 1e-6, only the summation order
+of the sum of squares differs), V exactly, and leave every other slot untouched.
+"""
+
+import pytest
+import torch
+from ascend_emu import ops
+
+from dflash import reference
+from dflash.testing import context_kv_inputs, rejection_sample_inputs
+
+
+@pytest.fixture
+def emu():
+    """The emulated ops with the default launch configuration, restored after each test."""
+    yield ops()
+    ops().configure(8, 0)
+
+
+def test_schemas_match_torch_ops_dflash(emu):
+    for op in ("context_kv", "rejection_sample"):
+        ours = str(getattr(emu, op).default._schema).replace("dflash_emu::", "")
+        assert ours == str(getattr(torch.ops.dflash, op).default._schema).replace("dflash::", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# rejection_sample
+# ---------------------------------------------------------------------------------------------
+
+def assert_same_tokens(emu, args):
+    expected = reference.rejection_sample(**args)
+    got = emu.rejection_sample(**args)
+    assert torch.equal(got[0], expected[0]), (got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    return expected[1]
+
+
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("case", [
+    dict(bs=6, k=4, v=11),                                   # vocab below one 32-byte block
+    dict(bs=5, k=3, v=1000, peaked=False),                   # one tile with a padded tail
+    dict(bs=3, k=15, v=4099, greedy_every=3),                # DFlash block size, odd vocab
+    dict(bs=4, k=0, v=70),                                   # no drafts: only the bonus token
+])
+def test_rejection_sample_matches_reference(emu, case, dense):
+    accepted = torch.cat([
+        assert_same_tokens(emu, rejection_sample_inputs(**case, dense=dense, seed=seed))
+        for seed in range(8)])
+    if case["k"]:  # the cases exercise both acceptance and rejection
+        assert (accepted < case["k"]).any() and (accepted > 0).any()
+
+
+@pytest.mark.parametrize("cores, max_tile", [(1, 64), (3, 128), (64, 0)])
+def test_rejection_sample_any_tiling_and_block_count(emu, cores, max_tile):
+    emu.configure(cores, max_tile)
+    for dense in (True, False):
+        for seed in range(4):
+            args = rejection_sample_inputs(bs=5, k=5, v=1000, dense=dense, seed=seed)
+            assert_same_tokens(emu, args)
+
+
+def test_rejection_sample_ties_pick_the_first_index_across_tiles(emu):
+    emu.configure(2, 64)
+    args = rejection_sample_inputs(bs=4, k=2, v=300, dense=True, greedy_every=2, seed=3)
+    p = args["target_probs"]
+    p[:] = 0.001
+    p[:, :, [250, 70, 130]] = 0.2          # greedy rows: argmax is 70 (tile 1), tied with 130, 250
+    args["exponential"][:] = 1.0           # sampling rows: r / e ties the same way
+    args["draft_token_ids"][:] = 5          # q(5) >> p(5): rejected, the residual ties too
+    args["draft_probs"][:] = 0.0005
+    args["draft_probs"][..., 5] = 0.5
+    assert_same_tokens(emu, args)
+
+
+def test_rejection_sample_zero_residual_falls_back_to_p(emu):
+    args = rejection_sample_inputs(bs=6, k=3, v=500, dense=True, greedy_every=0, seed=4)
+    args["target_probs"][:, :3] = args["draft_probs"] * 0.5   # p <= q everywhere: residual is 0
+    args["uniform"][:] = 0.75                                   # and every first draft is rejected
+    assert (assert_same_tokens(emu, args) == 0).all()
+    zero = rejection_sample_inputs(bs=2, k=2, v=100, dense=False, greedy_every=0, seed=5)
+    zero["target_probs"][0] = 0.0  # all-zero rows: every weight ties at 0, index 0 wins
+    assert_same_tokens(emu, zero)
+
+
+def test_rejection_sample_full_vocabulary(emu):
+    for dense in (True, False):
+        assert_same_tokens(emu, rejection_sample_inputs(bs=2, k=3, v=151936, dense=dense, seed=6))
+
+
+def test_rejection_sample_empty_batch_and_strided_inputs(emu):
+    empty = rejection_sample_inputs(bs=0, k=3, v=20)
+    out, acc = emu.rejection_sample(**empty)
+    assert out.shape == (0, 4) and acc.shape == (0,)
+    args = rejection_sample_inputs(bs=4, k=3, v=50, seed=7)
+    wide = torch.rand(4, 4, 100)
+    wide[..., ::2] = args["target_probs"]
+    args["target_probs"] = wide[..., ::2]
+    assert_same_tokens(emu, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# context_kv
+# ---------------------------------------------------------------------------------------------
+
+def ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """Float bit patterns mapped to integers that are adjacent for adjacent floats."""
+    ints = t.view(torch.int32 if t.dtype == torch.float32 else torch.int16).long()
+    sign = 1 << (8 * t.element_size() - 1)
+    return torch.where(ints < 0, -(ints + sign), ints)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    assert torch.equal(finite, torch.isfinite(a) | torch.isfinite(b)), "written slots differ"
+    if not finite.any():
+        return 0
+    return int((ordered_bits(a[finite]) - ordered_bits(b[finite])).abs().max())
+
+
+def check_context_kv(emu, args):
+    """Runs the emulated kernel on `args` and the reference on a copy of the caches; compares."""
+    ref = {**args, "key_caches": [c.clone() for c in args["key_caches"]],
+           "value_caches": [c.clone() for c in args["value_caches"]]}
+    reference.context_kv(**ref)
+    emu.context_kv(**args)
+    for got, want in zip(args["key_caches"], ref["key_caches"]):
+        if got.dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+        else:
+            assert ulps(got, want) <= 1
+    for got, want in zip(args["value_caches"], ref["value_caches"]):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", [
+    dict(),                                                     # D=16: fp32 halves 32-byte aligned
+    dict(d=12, with_fc=False, with_bias=True, skip_every=2),   # padded halves, skipped slots
+    dict(n=19, hkv=8, d=128, layers=3, num_blocks=8, block_size=4, stacked=True),
+    dict(n=7, d=6, hkv=3, h=24, d_in=40, skip_every=3),        # halves shorter than a block
+])
+def test_context_kv_matches_reference(emu, case, dtype):
+    check_context_kv(emu, context_kv_inputs(dtype=dtype, **case))
+
+
+@pytest.mark.parametrize("cores", [1, 2, 64])
+def test_context_kv_any_block_count_and_duplicate_slots(emu, cores):
+    emu.configure(cores, 0)
+    args = context_kv_inputs(n=9, dtype=torch.bfloat16, seed=8)
+    args["slot_mapping"][[2, 5, 7]] = int(args["slot_mapping"][0])  # the last writer wins
+    args["slot_mapping"][3] = -1
+    check_context_kv(emu, args)
+
+
+def test_context_kv_rejects_caches_without_contiguous_rows(emu):
+    args = context_kv_inputs()
+    args["key_caches"][1] = args["key_caches"][1].transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(ValueError, match=r"key_caches\[1\] must have contiguous \[Hkv, D\] rows"):
+        emu.context_kv(**args)
