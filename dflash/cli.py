@@ -79,6 +79,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .engine import LLM
+    from .train import TrainConfig, Trainer, generate_answers, load_prompts, read_answers
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    answers = out / "answers.jsonl"
+    prompts = load_prompts(args.prompts)[: args.num_prompts]
+    llm = LLM(resolve_target(args.target), dtype=args.dtype, max_num_seqs=args.gen_batch,
+              max_model_len=args.max_model_len)
+    generate_answers(llm, prompts, answers, max_tokens=args.max_answer_tokens,
+                     chunk=args.gen_batch * 2)
+    if args.only_data:
+        return 0
+    ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    tc = TrainConfig(num_layers=args.layers, intermediate_size=args.intermediate_size,
+                     block_size=args.block_size, mask_token_id=args.mask_token_id,
+                     target_layer_ids=ids, total_steps=args.steps, lr=args.lr,
+                     seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
+                     seed=args.seed)
+    Trainer(llm.target, read_answers(answers), out, tc).run(max_minutes=args.max_minutes)
+    print(f"draft saved to {out / 'draft'}")
+    return 0
+
+
 def _selfcheck(args: argparse.Namespace) -> int:
     from . import selfcheck
 
@@ -106,6 +133,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("train", help="train a DFlash draft on the target's own answers "
+                                      "(resumable: rerun the same command to continue)")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--prompts", required=True, help="JSONL with a question/prompt/text field")
+    p.add_argument("--out", required=True, help="output directory (answers, checkpoint, draft/)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the target's dtype for answers and features (match deployment)")
+    p.add_argument("--gen-batch", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-answer-tokens", type=int, default=384)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--only-data", action="store_true", help="stop after generating answers")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=0)
+    p.add_argument("--target-layer-ids", default=None, help="comma list; default SPEC rule")
+    p.add_argument("--steps", type=int, default=4000)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seqs-per-step", type=int, default=4)
+    p.add_argument("--anchors-per-seq", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this")
+    p.set_defaults(func=_train)
 
     p = sub.add_parser("selfcheck", help="compare every op's implementation with the reference")
     p.set_defaults(func=_selfcheck)

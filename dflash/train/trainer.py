@@ -129,6 +129,12 @@ class Trainer:
         if not path.exists():
             return
         state = torch.load(path, weights_only=False)
+        saved = state["config"]
+        for key in ("num_layers", "intermediate_size", "block_size", "mask_token_id",
+                    "target_layer_ids"):
+            if saved[key] != getattr(self.tc, key):
+                raise ValueError(f"{path} was trained with {key}={saved[key]}, not "
+                                 f"{getattr(self.tc, key)}: use another output directory")
         self.draft.load_state_dict(state["draft"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed, self.log = state["step"], state["elapsed"], state["log"]
