@@ -106,6 +106,13 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    demo.run(dtype=args.dtype, max_tokens=args.max_tokens)
+    return 0
+
+
 def _selfcheck(args: argparse.Namespace) -> int:
     from . import selfcheck
 
@@ -158,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("demo", help="the bundled SmolLM2 pair on GSM8K-style questions: "
+                                     "DFlash vs target-only")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.set_defaults(func=_demo)
 
     p = sub.add_parser("selfcheck", help="compare every op's implementation with the reference")
     p.set_defaults(func=_selfcheck)
