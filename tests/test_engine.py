@@ -161,3 +161,34 @@ def test_guards(models):
         llm.generate("hello")
     with pytest.raises(ValueError, match="token ids must be in"):
         llm.generate([[1, 500]])
+
+
+def test_draft_vocabulary_limits_proposals_and_stays_lossless(models, baseline, tmp_path):
+    import json
+    import shutil
+    target, draft, _ = models
+    shutil.copytree(draft, tmp_path / "draft")
+    vocab = list(range(0, 96, 2))
+    (tmp_path / "draft" / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
+    llm = LLM(target, tmp_path / "draft", dtype="float32", max_num_seqs=4)
+    proposed = []
+    llm.proposer = lambda inputs: proposed.append(llm.worker.run_decode_draft(inputs)) or \
+        proposed[-1]
+    sp = SamplingParams(max_tokens=24)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:4], sp)] == \
+        [o.token_ids for o in baseline.generate(PROMPTS[:4], sp)]
+    assert set(torch.cat([d.flatten() for d, _ in proposed]).tolist()) <= set(vocab)
+    llm.worker.draft_sampling = "sample"
+    drafts, q = llm.worker.run_decode_draft(llm.worker.prepare_query_inputs(
+        [r for r in _running(llm, PROMPTS[:2])]))
+    assert torch.allclose(q.sum(-1), torch.ones(())) and (q[..., 1::2] == 0).all()
+
+
+def _running(llm, prompts):
+    """Requests after prefill, ready for a decode step."""
+    requests = [llm._request(p, SamplingParams(temperature=1.0, seed=0)) for p in prompts]
+    for r in requests:
+        llm.allocator.grow(r.block_table, len(r.prompt_ids) + 32)
+    for r, t in zip(requests, llm.worker.prefill(requests)):
+        r.append([t])
+    return requests

@@ -44,6 +44,11 @@ class Worker:
         self.draft_cache = None if draft is None else torch.zeros(
             draft.kv_cache_shape(num_kv_blocks, kv_block_size), dtype=dtype, device=self.device)
         self.capture = () if draft is None else draft.cfg.target_layer_ids
+        vocab = None if draft is None else draft.draft_vocab
+        # the rows of the lm_head the draft may propose (all of them without a draft vocabulary)
+        self.draft_head = target.output_embedding if vocab is None else \
+            target.output_embedding[vocab].contiguous()
+        self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
 
     # ------------------------------------------------------------------------------ prefill
@@ -83,13 +88,18 @@ class Worker:
         hidden = self.draft(torch.nn.functional.embedding(inputs.tokens, self.target.embed),
                             inputs.meta, self.draft_cache)
         # all B rows go through the lm_head: the BLAS is much slower for B-1 rows than for B
-        logits = self.target.logits(hidden).view(bs, b, -1)[:, 1:]
+        logits = torch.nn.functional.linear(hidden, self.draft_head).view(bs, b, -1)[:, 1:]
         if self.draft_sampling == "greedy":
-            return logits.argmax(-1), None
+            drafts = logits.argmax(-1)
+            return (drafts if self.draft_vocab is None else self.draft_vocab[drafts]), None
         probs = sampling.target_probs(logits, [r.params for r in inputs.requests])
         generators = [g for g in self._generators(inputs.requests) for _ in range(b - 1)]
         greedy = self._is_greedy(inputs.requests).repeat_interleave(b - 1)
         drafts = sampling.sample(probs.flatten(0, 1), greedy, generators).view(bs, b - 1)
+        if self.draft_vocab is not None:   # q is zero outside the draft vocabulary
+            full = probs.new_zeros(bs, b - 1, self.target.cfg.vocab_size)
+            probs = full.index_copy_(2, self.draft_vocab, probs)
+            drafts = self.draft_vocab[drafts]
         return drafts, probs
 
     @torch.inference_mode()

@@ -64,6 +64,9 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.register_buffer("cos_sin", rope_cos_sin(a, a.max_position_embeddings),
                              persistent=False)
+        # Optional draft vocabulary (token ids the draft may propose): the draft's logits then
+        # cost a fraction of the full lm_head. Proposals stay valid; verification is unchanged.
+        self.draft_vocab: torch.Tensor | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[layers, 2 (K, V), num_blocks, block_size, Hkv, D]."""

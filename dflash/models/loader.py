@@ -18,6 +18,8 @@ from .config import ConfigError, DraftConfig, TargetConfig
 from .draft import DFlashDraft
 from .target import TargetModel
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"   # optional, dflash-specific; other loaders ignore it
+
 
 class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing, malformed or has the wrong shape."""
@@ -313,6 +315,14 @@ def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
     model = DFlashDraft(cfg, target.attn.hidden_size)
     assemble(model, draft_recipe(cfg, target.attn.hidden_size), SafetensorsCheckpoint(path),
              str(path), dtype, torch.device(device))
+    vocab_file = path / DRAFT_VOCAB_FILE
+    if vocab_file.exists():
+        ids = json.loads(vocab_file.read_text()).get("token_ids")
+        if not ids or len(set(ids)) != len(ids) or \
+                not all(isinstance(i, int) and 0 <= i < target.vocab_size for i in ids):
+            raise CheckpointError(f"{vocab_file}: token_ids must be distinct ids in "
+                                  f"[0, {target.vocab_size})")
+        model.draft_vocab = torch.tensor(ids, device=device)
     return model.eval()
 
 
@@ -378,3 +388,6 @@ def save_draft(draft: DFlashDraft, directory, target_hidden: int, extra_config: 
     if a.rope_scaling is not None:
         config["rope_scaling"] = {"rope_type": "llama3", **a.rope_scaling}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if draft.draft_vocab is not None:
+        (directory / DRAFT_VOCAB_FILE).write_text(
+            json.dumps({"token_ids": draft.draft_vocab.tolist()}) + "\n")

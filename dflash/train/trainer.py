@@ -40,6 +40,7 @@ class TrainConfig:
     anchors_per_seq: int = 32
     grad_clip: float = 1.0
     heldout: int = 16                          # answers kept out of training for tau estimates
+    draft_vocab_size: int = 0                  # > 0: export the most frequent answer tokens
     checkpoint_every: int = 50
     eval_every: int = 250
     seed: int = 0
@@ -83,6 +84,12 @@ def learning_rate(tc: TrainConfig, step: int) -> float:
     return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * cosine)
 
 
+def frequent_tokens(rows: list[dict], count: int) -> torch.Tensor:
+    """The `count` most frequent answer tokens (ascending ids): the draft vocabulary."""
+    counts = torch.bincount(torch.tensor([t for r in rows for t in r["answer_ids"]]))
+    return counts.topk(min(count, int((counts > 0).sum()))).indices.sort().values
+
+
 def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> float:
     """Mean acceptance length of greedy DFlash decoding of held-out target answers, simulated
     from the draft's block predictions at every answer position (no engine needed)."""
@@ -116,6 +123,8 @@ class Trainer:
             raise ValueError("no training answers (each needs at least 2 answer tokens)")
         self.cfg = draft_config(target, tc)
         self.draft = init_draft(self.cfg, target.cfg.attn.hidden_size, tc.seed)
+        if tc.draft_vocab_size:
+            self.draft.draft_vocab = frequent_tokens(self.train_rows, tc.draft_vocab_size)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=tc.lr,
                                            weight_decay=tc.weight_decay, betas=(0.9, 0.95))
         self.step, self.elapsed, self.log = 0, 0.0, []
