@@ -6,11 +6,13 @@ probability is validated, so all of target_probs, draft_probs and exponential) p
 a plain copy of the same number of bytes. Goal: >= 5x the reference at batch 16 and >= 50% of
 copy bandwidth.
 
-    python bench/bench_rejection_sample.py          # from the repository root
+    python bench/bench_rejection_sample.py [--threads N]   # from the repository root
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -43,11 +45,17 @@ def case(bs: int, dense: bool) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    threads = parser.parse_args().threads
+    if threads:
+        torch.set_num_threads(threads)
     impl = dflash.ops.implementation("rejection_sample")
-    print(f"rejection_sample CPU implementation: {impl}")
+    print(f"rejection_sample CPU implementation: {impl}, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.1f}")
     rows = [case(bs, dense) for bs in (1, 16, 64) for dense in (True, False)]
-    write("rejection_sample", rows, list(rows[0]))
-    print(f"({impl}, {torch.get_num_threads()} threads; copy GB/s counts read + write)")
+    write("rejection_sample" + (f"_{threads}thread" if threads else ""), rows, list(rows[0]))
+    print("copy GB/s counts read + write; kernel GB/s counts the bytes the op reads")
 
 
 if __name__ == "__main__":

@@ -109,20 +109,15 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
     top_k / top_p are [n, 1, 1] per-row settings (0 / 1 disable), so mixed rows run in one pass.
     """
-    v = x.shape[-1]
     use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1).any())
     if not (use_k or use_p):
         return x
-    if not use_p:  # top-k alone only needs the k-th largest value of each row
-        kth = x.topk(int(top_k.clamp(max=v).max()), dim=-1).values
-        idx = (top_k.clamp(1, v) - 1).expand(*x.shape[:2], 1)
-        cut = torch.where(top_k > 0, kth.gather(-1, idx), float("-inf"))
-        return x.masked_fill(x < cut, float("-inf"))
+    if not use_p:  # top-k alone only needs the k largest values of each row
+        largest = x.topk(int(top_k.clamp(max=x.shape[-1]).max()), dim=-1).values
+        return x.masked_fill(x < _kth_largest(largest, top_k), float("-inf"))
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
     if use_k:
-        idx = (top_k.clamp(1, v) - 1).expand(*x.shape[:2], 1)
-        cut = torch.where(top_k > 0, sorted_x.gather(-1, idx), float("-inf"))
-        sorted_x = sorted_x.masked_fill(sorted_x < cut, float("-inf"))
+        sorted_x = sorted_x.masked_fill(sorted_x < _kth_largest(sorted_x, top_k), float("-inf"))
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = probs.cumsum(-1) - probs
     # keep a token while the more likely ones hold less than top_p; the first always stays
@@ -130,6 +125,12 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     drop[..., 0] = False
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def _kth_largest(largest: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """[n, R, 1] k-th value of each row of `largest` (sorted descending), -inf where k = 0."""
+    idx = (top_k.clamp(1, largest.shape[-1]) - 1).expand(*largest.shape[:2], 1)
+    return torch.where(top_k > 0, largest.gather(-1, idx), float("-inf"))
 
 
 def _draws_by_generator(is_greedy: torch.Tensor, generators: Sequence[torch.Generator | None]):

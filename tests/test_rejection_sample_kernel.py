@@ -22,6 +22,14 @@ def assert_same(args):
     return got
 
 
+def assert_same_error(args):
+    with pytest.raises(ValueError) as want:
+        reference.rejection_sample(**args)
+    with pytest.raises(ValueError) as got:
+        kernel(**args)
+    assert str(got.value) == str(want.value)
+
+
 def test_cpu_kernel_serves_the_op():
     assert dflash.ops.implementation("rejection_sample").startswith("kernel")
 
@@ -263,11 +271,7 @@ def _set(t, changes):
 def test_bad_input_gives_the_reference_error_message(case):
     a = rejection_sample_inputs()
     args = {**a, **BAD_INPUTS[case](a)}
-    with pytest.raises(ValueError) as want:
-        reference.rejection_sample(**args)
-    with pytest.raises(ValueError) as got:
-        kernel(**args)
-    assert str(got.value) == str(want.value)
+    assert_same_error(args)
 
 
 def test_bad_rows_found_in_long_rows_and_any_chunk():
@@ -275,8 +279,12 @@ def test_bad_rows_found_in_long_rows_and_any_chunk():
     for index in [(1, 2, 4999), (2, 0, 2048), (0, 1, 4095)]:
         for value in (float("nan"), float("inf"), -1.0):
             args = {**a, "target_probs": _set(a["target_probs"], [(index, value)])}
-            with pytest.raises(ValueError) as want:
-                reference.rejection_sample(**args)
-            with pytest.raises(ValueError) as got:
-                kernel(**args)
-            assert str(got.value) == str(want.value)
+            assert_same_error(args)
+
+
+@pytest.mark.parametrize("value", [1.0, 1.5, 16777216.0, 123456789.0, 1e15, 1e16, 3.4e38,
+                                   -1e-05, -0.0001, -0.00012345, -1e-10, -2.5e-39, -7.0])
+def test_out_of_range_coin_is_printed_like_python(value):
+    a = rejection_sample_inputs()
+    args = {**a, "uniform": _set(a["uniform"], [((1, 0), value)])}
+    assert_same_error(args)
