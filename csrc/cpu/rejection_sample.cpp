@@ -267,12 +267,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     RS_CHECK(status[n_target + n_draft + b] == kOk, "exponential row ", b,
              " must be positive and finite (Exp(1) noise)");
 
-  // Phase 2 per sequence
+  // Phase 2 per sequence: about two rows of reads each, so a few sequences share one thread
+  // (one sequence alone is not worth a fork-join)
   at::Tensor out = at::empty({bs, k + 1}, ids_t.options());
   at::Tensor num_accepted = at::empty({bs}, ids_t.options());
   int64_t* out_p = out.data_ptr<int64_t>();
   int64_t* num_p = num_accepted.data_ptr<int64_t>();
-  at::parallel_for(0, bs, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, bs, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t* drafts = ids + b * k;
       int64_t a = 0, token;
