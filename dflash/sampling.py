@@ -1,19 +1,39 @@
-"""Sampling parameters, logits processing and the noise-drawing wrappers around the ops.
+"""Per-request sampling: parameters, logits processing into target probabilities, and the noise
+draws around `dflash.ops.rejection_sample`.
 
-(Interim version; the full sampling layer lands with the rejection-sampling kernel.)
+Every random draw comes from the request's own `torch.Generator` (seeded from
+`SamplingParams.seed`), so a seeded request produces the same tokens whatever else is batched with
+it. A step draws, per sampling row and in this order: K acceptance coins (uniform [0, 1)), then V
+exponential noise values for the one token it resamples (exponential race: argmax p / E is a draw
+from p / sum(p)). Greedy rows draw nothing.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import ops
 
+# torch's exponential_ can round to 0 in float32 (probability ~ 2**-53 per value); the op
+# requires positive noise, and a 0 would otherwise win the race outright.
+_TINY = torch.finfo(torch.float32).tiny
+
 
 @dataclass
 class SamplingParams:
+    """How one request picks tokens.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+    top_k: keep the k most likely tokens (ties at the k-th logit are all kept); 0 disables.
+    top_p: keep the smallest most-likely set whose probability reaches top_p; 1 disables.
+    max_tokens: generation budget (new tokens). stop_token_ids: extra tokens that end the request.
+    ignore_eos: keep generating past EOS. seed: per-request seed; None draws a fresh random seed.
+    """
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -22,12 +42,35 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
+                             f"got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {bad[0]!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
+    """A CPU generator seeded from `params.seed`, or from a fresh random seed when it is None."""
     g = torch.Generator()
     if params.seed is None:
         g.seed()
@@ -36,35 +79,110 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     return g
 
 
-def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for b, p in enumerate(params):
-        if p.is_greedy:
-            out[b] = torch.nn.functional.one_hot(logits[b].argmax(-1), logits.shape[-1]).float()
-        else:
-            out[b] = torch.softmax(logits[b].float() / p.temperature, -1)
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Turn target logits [Bs, R, V] into the probabilities `rejection_sample` consumes.
+
+    Sampling rows: softmax of the temperature-scaled logits after top-k then top-p filtering, in
+    float32. Greedy rows: one-hot at argmax(logits) (first index on ties), so the op's argmax is
+    the logits' argmax exactly (a softmax could round near-ties into exact ties).
+    """
+    if logits.dim() != 3 or logits.shape[0] != len(params):
+        raise ValueError(f"logits must be [Bs, R, V] with Bs = {len(params)} (one row of "
+                         f"params per sequence), got shape {list(logits.shape)}")
+    bs, r, v = logits.shape
+    out = torch.empty(bs, r, v, dtype=torch.float32, device=logits.device)
+    greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+    if greedy.any():
+        top = logits[greedy].argmax(-1, keepdim=True)
+        out[greedy] = torch.zeros_like(out[greedy]).scatter_(-1, top, 1.0)
+    sampling = [p for p in params if not p.is_greedy]
+    if sampling:
+        col = lambda xs: torch.tensor(xs, device=logits.device)[:, None, None]  # noqa: E731
+        x = logits[~greedy].float() / col([p.temperature for p in sampling]).float()
+        x = _top_k_top_p(x, col([p.top_k for p in sampling]), col([p.top_p for p in sampling]))
+        out[~greedy] = torch.softmax(x, dim=-1)
     return out
 
 
-def sample(probs, is_greedy, generators):
-    out = []
-    for b in range(probs.shape[0]):
-        if bool(is_greedy[b]):
-            out.append(int(probs[b].argmax()))
-        else:
-            e = torch.empty(probs.shape[-1]).exponential_(generator=generators[b])
-            out.append(int((probs[b] / e).argmax()))
-    return torch.tensor(out)
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask with -inf the logits x [n, R, V] outside each row's top-k, then outside its top-p.
+
+    top_k / top_p are [n, 1, 1] per-row settings (0 / 1 disable), so mixed rows run in one pass.
+    """
+    use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1).any())
+    if not (use_k or use_p):
+        return x
+    if not use_p:  # top-k alone only needs the k largest values of each row
+        largest = x.topk(int(top_k.clamp(max=x.shape[-1]).max()), dim=-1).values
+        return x.masked_fill(x < _kth_largest(largest, top_k), float("-inf"))
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+    if use_k:
+        sorted_x = sorted_x.masked_fill(sorted_x < _kth_largest(sorted_x, top_k), float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    # keep a token while the more likely ones hold less than top_p; the first always stays
+    drop = (mass_before >= top_p) & (top_p < 1)
+    drop[..., 0] = False
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
-def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, generators):
+def _kth_largest(largest: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """[n, R, 1] k-th value of each row of `largest` (sorted descending), -inf where k = 0."""
+    idx = (top_k.clamp(1, largest.shape[-1]) - 1).expand(*largest.shape[:2], 1)
+    return torch.where(top_k > 0, largest.gather(-1, idx), float("-inf"))
+
+
+def _draws_by_generator(is_greedy: torch.Tensor, generators: Sequence[torch.Generator | None]):
+    """(generator, rows) for the sampling rows, grouped by generator object, rows in order.
+
+    Rows sharing one generator draw as one batch (row-major), which for a single row is exactly
+    that row's own stream; None means torch's default CPU generator.
+    """
+    if len(generators) != len(is_greedy):
+        raise ValueError(f"expected one generator (or None) per row: {len(is_greedy)} rows, "
+                         f"got {len(generators)} generators")
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for row, greedy in enumerate(is_greedy.tolist()):
+        if not greedy:
+            g = generators[row]
+            groups.setdefault(id(g), (g, []))[1].append(row)
+    return list(groups.values())
+
+
+def _exponential(n: int, v: int, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.empty(n, v).exponential_(generator=generator).clamp_min_(_TINY)
+
+
+def sample(probs: torch.Tensor, is_greedy: torch.Tensor,
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [Bs, V]: argmax for greedy rows (first index on ties), an
+    exponential race argmax(p / E), E ~ Exp(1) from the row's generator, for the others."""
+    bs, v = probs.shape
+    tokens = probs.argmax(-1)
+    for g, rows in _draws_by_generator(is_greedy, generators):
+        idx = torch.tensor(rows)
+        tokens[idx] = (probs[idx].float() / _exponential(len(rows), v, g)).argmax(-1)
+    return tokens
+
+
+def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, is_greedy: torch.Tensor,
+                     generators: Sequence[torch.Generator | None]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw each sampling row's noise from its generator, then run `dflash.ops.rejection_sample`.
+
+    Per sampling row: K uniform coins, then V Exp(1) values (greedy rows get inert noise: they
+    use none). Returns (output_token_ids [Bs, K + 1] padded with -1, num_accepted [Bs]).
+    """
     bs, k = draft_token_ids.shape
     v = target_probs.shape[-1]
     uniform = torch.zeros(bs, k)
     exponential = torch.ones(bs, v)
-    for b in range(bs):
-        if not bool(is_greedy[b]):
-            uniform[b] = torch.rand(k, generator=generators[b])
-            exponential[b] = torch.empty(v).exponential_(generator=generators[b])
-    return ops.rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                                exponential)
+    for g, rows in _draws_by_generator(is_greedy, generators):
+        idx = torch.tensor(rows)
+        uniform[idx] = torch.rand(len(rows), k, generator=g)
+        exponential[idx] = _exponential(len(rows), v, g)
+    device = target_probs.device
+    return ops.rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy,
+                                uniform.to(device), exponential.to(device))

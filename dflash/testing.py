@@ -80,12 +80,15 @@ def paged_attention_inputs(context_lens=(3, 0, 9), query_lens=(2, 1, 4), hq=4, h
 
 
 def rejection_sample_inputs(bs=4, k=3, v=11, dense=True, greedy_every=2, seed=0,
-                            peaked=True) -> dict:
-    """Target/draft distributions where drafts are often, but not always, accepted."""
+                            peaked=True, draft_noise=1.0) -> dict:
+    """Target/draft distributions where drafts are often, but not always, accepted.
+
+    draft_noise scales the draft's logit noise: 0 makes q equal p (nearly everything accepted).
+    """
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(bs, k + 1, v, generator=g) * (3.0 if peaked else 1.0)
     target_probs = torch.softmax(logits, -1)
-    draft_logits = logits[:, :k] + torch.randn(bs, k, v, generator=g)
+    draft_logits = logits[:, :k] + draft_noise * torch.randn(bs, k, v, generator=g)
     draft_probs = torch.softmax(draft_logits, -1)
     draft_token_ids = torch.multinomial(draft_probs.view(-1, v), 1, generator=g).view(bs, k)
     is_greedy = torch.zeros(bs, dtype=torch.bool)

@@ -1,0 +1,352 @@
+"""The sampling layer (dflash/sampling.py) and the statistics of speculative sampling.
+
+The property that justifies the whole op: whatever the proposal, the tokens emitted at every
+position follow the target distribution. It is checked with a chi-square test (fixed seed,
+significance 1e-3) over 200k sequences run as one batch, plus the 1/sqrt(N) convergence of the
+total variation distance; a negative control shows both checks catch a wrong sampler.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dflash import ops, sampling
+from dflash.sampling import SamplingParams
+
+N = 200_000
+ALPHA = 1e-3
+
+
+# ------------------------------------------------------------------------------ statistics
+
+def chi_square_pvalue(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    """p-value of the tokens being draws from p (categories with expected count < 5 pooled)."""
+    counts = torch.bincount(tokens, minlength=len(p)).double()
+    if counts[p == 0].sum() > 0:
+        return 0.0                               # a token the target never emits
+    expected = p.double() / p.double().sum() * len(tokens)
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor(len(obs) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def tv_ratio(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    """Total variation distance to p over its expected value for a correct sampler of this
+    size, sum_v sqrt(p_v (1 - p_v) / (2 pi n)) (normal approximation): about 1 when correct."""
+    n = len(tokens)
+    p = p.double() / p.double().sum()
+    tv = 0.5 * (torch.bincount(tokens, minlength=len(p)).double() / n - p).abs().sum()
+    return float(tv / (p * (1 - p) / (2 * math.pi * n)).sqrt().sum())
+
+
+def emitted_at(out, num_accepted, i):
+    """Tokens emitted at position i, by the sequences that got that far."""
+    return out[num_accepted >= i, i]
+
+
+def speculative_setup(v=20, k=3, seed=0):
+    """Per-position target p [K+1, V] (one likely token, ~0.55) and draft q [K, V] close to p,
+    so that enough of the 200k sequences reach the last position."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.empty(k + 1, v).uniform_(-1.5, 1.5, generator=g)
+    logits[torch.arange(k + 1), torch.randint(0, v, (k + 1,), generator=g)] = 3.5
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(logits[:k] + 0.5 * torch.randn(k, v, generator=g), -1)
+    return p, q
+
+
+def run_batch(p, drafts, draft_probs, seed=1):
+    """Every row runs the same speculative step with its own noise (one shared generator)."""
+    n = drafts.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    return sampling.rejection_sample(drafts, draft_probs, p.expand(n, *p.shape),
+                                     torch.zeros(n, dtype=torch.bool), [g] * n)
+
+
+def sampled_drafts(q, n=N, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.multinomial(qi, n, replacement=True, generator=g) for qi in q], 1)
+
+
+def argmax_drafts(q, n=N):
+    return q.argmax(-1).expand(n, -1)
+
+
+# proposal(p, q) -> (drafts, draft_probs passed to the op)
+CORRECT = {
+    "dense q, drafts sampled from q": lambda p, q: (sampled_drafts(q), q.expand(N, *q.shape)),
+    "one-hot q, argmax drafts": lambda p, q: (argmax_drafts(q), None),
+    # any draft choice independent of the step's noise works with one-hot q
+    "one-hot q, drafts sampled from p": lambda p, q: (sampled_drafts(p[:-1]), None),
+}
+# The known bug of one production engine: drafts are argmax tokens (q is one-hot), yet the
+# draft's softmax score of that token is used as q(x).
+BUGGY = {"argmax drafts scored with softmax q":
+         lambda p, q: (argmax_drafts(q), q.expand(N, *q.shape))}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    p, q = speculative_setup()
+    results = {}
+    for name, proposal in {**CORRECT, **BUGGY}.items():
+        drafts, draft_probs = proposal(p, q)
+        out, num_accepted = run_batch(p, drafts, draft_probs)
+        results[name] = (p, out, num_accepted)
+    return results
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_emitted_tokens_follow_the_target_at_every_position(runs, name):
+    p, out, num_accepted = runs[name]
+    for i in range(len(p)):
+        tokens = emitted_at(out, num_accepted, i)
+        assert len(tokens) > 5_000, "design: enough sequences reach every position"
+        assert chi_square_pvalue(tokens, p[i]) > ALPHA, f"position {i}"
+
+
+@pytest.mark.parametrize("name", CORRECT)
+def test_total_variation_falls_like_one_over_sqrt_n(runs, name):
+    p, out, num_accepted = runs[name]
+    for i in (0, len(p) - 1):
+        tokens = emitted_at(out, num_accepted, i)
+        sizes = [n for n in (1_000, 4_000, 16_000, 64_000, 200_000) if n <= len(tokens)]
+        ratios = [tv_ratio(tokens[:n], p[i]) for n in sizes]
+        assert all(0.5 < r < 1.6 for r in ratios), (i, sizes, ratios)
+        # log TV against log n: slope -1/2 (TV = ratio * c / sqrt(n))
+        x = torch.tensor(sizes, dtype=torch.float64).log()
+        y = torch.tensor(ratios, dtype=torch.float64).log() - 0.5 * x
+        slope = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        assert -0.7 < slope < -0.3, (i, slope)
+
+
+@pytest.mark.parametrize("name", BUGGY)
+def test_negative_control_fails_both_checks(runs, name):
+    p, out, num_accepted = runs[name]
+    pvalues = [chi_square_pvalue(emitted_at(out, num_accepted, i), p[i]) for i in range(len(p))]
+    assert min(pvalues) < ALPHA
+    tokens = emitted_at(out, num_accepted, 0)
+    assert tv_ratio(tokens, p[0]) > 5     # the distance stops falling: a bias, not noise
+
+
+def test_acceptance_rate_is_the_overlap_of_p_and_q(runs):
+    # P(accept position i | reached) = sum_v min(p_i, q_i) for dense q, p_i(x_i) for one-hot
+    p, q = speculative_setup()
+    for name, rate in (("dense q, drafts sampled from q", torch.minimum(p[:-1], q).sum(-1)),
+                       ("one-hot q, argmax drafts", p[:-1].gather(1, q.argmax(-1, True))[:, 0])):
+        _, out, num_accepted = runs[name]
+        for i in range(len(q)):
+            reached = num_accepted >= i
+            got = (num_accepted[reached] > i).double().mean()
+            sd = math.sqrt(rate[i] * (1 - rate[i]) / int(reached.sum()))
+            assert abs(got - rate[i]) < 4 * sd, (name, i)
+
+
+def test_output_layout(runs):
+    _, out, num_accepted = runs["dense q, drafts sampled from q"]
+    cols = torch.arange(out.shape[1])
+    assert bool(((out >= 0) == (cols <= num_accepted[:, None])).all())   # -1 after the emitted
+
+
+# ------------------------------------------------------------------------------- greedy
+
+@pytest.mark.parametrize("drafts, best, expected, accepted", [
+    ([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4], 3),     # perfect match
+    ([5, 2, 3], [1, 2, 3, 4], [1, -1, -1, -1], 0),  # first-position mismatch
+    ([1, 5, 3], [1, 2, 3, 4], [1, 2, -1, -1], 1),   # middle mismatch
+    ([4], [4, 0], [4, 0], 1),                        # K = 1
+    ([3], [4, 0], [4, -1], 0),
+])
+def test_greedy_through_the_sampling_layer(drafts, best, expected, accepted):
+    v = 8
+    logits = torch.randn(1, len(best), v)
+    logits[0, torch.arange(len(best)), torch.tensor(best)] = 10.0
+    probs = sampling.target_probs(logits, [SamplingParams()])
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    out, n = sampling.rejection_sample(torch.tensor([drafts]), None, probs,
+                                       torch.tensor([True]), [g])
+    assert out[0].tolist() == expected and n.tolist() == [accepted]
+    assert torch.equal(g.get_state(), state)          # greedy rows draw no noise
+
+
+def test_greedy_follows_logits_argmax_through_near_ties():
+    # two logits one float32 ulp apart: softmax rounds them to the same probability, the
+    # one-hot target keeps the true argmax; exact ties go to the first index
+    v = 1000
+    logits = torch.full((1, 2, v), -20.0)
+    logits[0, 0, 300] = 0.1
+    logits[0, 0, 700] = torch.nextafter(torch.tensor(0.1), torch.tensor(1.0))
+    logits[0, 1, [50, 60]] = 5.0
+    soft = torch.softmax(logits[0, 0], -1)
+    assert soft[300] == soft[700]                     # the trap the one-hot avoids
+    probs = sampling.target_probs(logits, [SamplingParams()])
+    out, _ = sampling.rejection_sample(torch.tensor([[700]]), None, probs, torch.tensor([True]),
+                                       [None])
+    assert out[0].tolist() == [700, 50]
+
+
+# -------------------------------------------------------------------------- target_probs
+
+def _naive_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row [V] the obvious way: sort, cut, renormalize (the test's independent oracle)."""
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), len(logits)).float()
+    x = logits.double() / params.temperature
+    probs = torch.softmax(x, -1)
+    order = sorted(range(len(x)), key=lambda t: (-float(x[t]), t))
+    keep = set(order)
+    if params.top_k:
+        kth = float(x[order[min(params.top_k, len(x)) - 1]])
+        keep = {t for t in keep if float(x[t]) >= kth}
+    if params.top_p < 1:
+        kept = [t for t in order if t in keep]
+        mass = torch.softmax(x[kept], -1)
+        total, chosen = 0.0, set()
+        for t, m in zip(kept, mass.tolist()):
+            if total >= params.top_p:
+                break
+            chosen.add(t)
+            total += m
+        keep = chosen
+    mask = torch.tensor([t in keep for t in range(len(x))])
+    probs = torch.where(mask, probs, 0.0)
+    return (probs / probs.sum()).float()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.3),
+    SamplingParams(temperature=2.5, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=0.7, top_k=10, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, top_k=100),     # k >= V: no cut
+    SamplingParams(),
+], ids=str)
+def test_target_probs_match_a_naive_per_row_oracle(params):
+    logits = torch.randn(3, 4, 40, generator=torch.Generator().manual_seed(0)) * 2
+    got = sampling.target_probs(logits, [params] * 3)
+    assert got.dtype == torch.float32 and got.shape == logits.shape
+    want = torch.stack([torch.stack([_naive_row(r, params) for r in seq]) for seq in logits])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_target_probs_mixed_batch_equals_rows_alone():
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.5),
+              SamplingParams(temperature=1.2, top_k=3), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, top_k=7, top_p=0.8)]
+    logits = torch.randn(5, 3, 30, generator=torch.Generator().manual_seed(1)).bfloat16()
+    mixed = sampling.target_probs(logits, params)
+    for b, pr in enumerate(params):
+        torch.testing.assert_close(mixed[b], sampling.target_probs(logits[b : b + 1], [pr])[0],
+                                   atol=0, rtol=0)
+        torch.testing.assert_close(mixed[b], torch.stack([_naive_row(r.float(), pr)
+                                                          for r in logits[b]]),
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_closed_form():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log()[None, None]
+    got = sampling.target_probs(logits, [SamplingParams(temperature=1.0, top_p=0.75)])[0, 0]
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.625, 0.0, 0.375]))
+    got = sampling.target_probs(logits, [SamplingParams(temperature=1.0, top_k=3)])[0, 0]
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95)
+
+
+def test_target_probs_rejects_a_params_count_mismatch():
+    with pytest.raises(ValueError, match="one row of params per sequence"):
+        sampling.target_probs(torch.randn(2, 1, 5), [SamplingParams()])
+
+
+# ------------------------------------------------------------------ params and generators
+
+@pytest.mark.parametrize("change, message", [
+    ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_p": 0.0}, "top_p must be in \\(0, 1\\]"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"stop_token_ids": [3, -1]}, "stop_token_ids must be non-negative integers, got -1"),
+    ({"seed": -5}, "seed must be None or an integer"),
+    ({"seed": 1.5}, "seed"),
+])
+def test_sampling_params_reject_bad_values(change, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**change)
+
+
+def test_sampling_params_defaults_and_greedy():
+    assert SamplingParams().is_greedy and not SamplingParams(temperature=0.5).is_greedy
+    assert SamplingParams(stop_token_ids=[1, 2]).stop_token_ids == (1, 2)
+
+
+def test_make_generator_is_seeded_or_fresh():
+    a = sampling.make_generator(SamplingParams(seed=7))
+    b = sampling.make_generator(SamplingParams(seed=7))
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+    c = sampling.make_generator(SamplingParams())
+    d = sampling.make_generator(SamplingParams())
+    assert c.initial_seed() != d.initial_seed()
+
+
+def test_noise_stream_is_coins_then_exponentials_from_the_row_generator():
+    a = dict(draft_token_ids=torch.tensor([[3, 1, 4]]), draft_probs=None,
+             target_probs=torch.softmax(torch.randn(1, 4, 50), -1), is_greedy=torch.tensor([False]))
+    out = sampling.rejection_sample(**a, generators=[torch.Generator().manual_seed(11)])
+    g = torch.Generator().manual_seed(11)
+    uniform = torch.rand(1, 3, generator=g)
+    exponential = torch.empty(1, 50).exponential_(generator=g)
+    want = ops.rejection_sample(**a, uniform=uniform, exponential=exponential)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+def test_seeded_request_is_independent_of_its_batch():
+    v, k = 64, 4
+    p = torch.softmax(torch.randn(6, k + 1, v, generator=torch.Generator().manual_seed(3)), -1)
+    drafts = torch.randint(0, v, (6, k), generator=torch.Generator().manual_seed(4))
+    greedy = torch.tensor([False, True, False, False, True, False])
+    seeds = [100, 101, 102, 103, 104, 105]
+    batch = sampling.rejection_sample(drafts, None, p, greedy,
+                                      [torch.Generator().manual_seed(s) for s in seeds])
+    for b in range(6):
+        alone = sampling.rejection_sample(drafts[b : b + 1], None, p[b : b + 1], greedy[b : b + 1],
+                                          [torch.Generator().manual_seed(seeds[b])])
+        assert torch.equal(batch[0][b], alone[0][0])
+    by_seed = [sampling.rejection_sample(drafts, None, p, torch.zeros(6, dtype=torch.bool),
+                                         [torch.Generator().manual_seed(s)] * 6)[0]
+               for s in range(4)]
+    assert len({tuple(out.flatten().tolist()) for out in by_seed}) == 4
+
+
+def test_generators_must_match_rows():
+    with pytest.raises(ValueError, match="one generator"):
+        sampling.sample(torch.ones(3, 4), torch.zeros(3, dtype=torch.bool), [None])
+
+
+# ------------------------------------------------------------------------------ sample()
+
+def test_sample_follows_probs_and_argmax_for_greedy():
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(30, generator=g), -1)
+    tokens = sampling.sample(p.expand(N, -1), torch.zeros(N, dtype=torch.bool), [g] * N)
+    assert chi_square_pvalue(tokens, p) > ALPHA
+    probs = torch.tensor([[0.1, 0.4, 0.4, 0.1], [0.3, 0.2, 0.1, 0.4]])
+    greedy = sampling.sample(probs, torch.tensor([True, True]), [None, None])
+    assert greedy.tolist() == [1, 3]
+
+
+def test_sample_seeded_rows_are_reproducible():
+    probs = torch.softmax(torch.randn(4, 100), -1)
+    draw = lambda: sampling.sample(probs, torch.zeros(4, dtype=torch.bool),  # noqa: E731
+                                   [torch.Generator().manual_seed(s) for s in range(4)])
+    assert torch.equal(draw(), draw())
