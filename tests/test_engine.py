@@ -192,3 +192,32 @@ def _running(llm, prompts):
     for r, t in zip(requests, llm.worker.prefill(requests)):
         r.append([t])
     return requests
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_sampling):
+    """Tokens 2 and 3 come from speculative steps; their marginal must be the target's own,
+    computed exactly from the Hugging Face model (chi-square, fixed seeds)."""
+    from scipy.stats import chisquare
+
+    vocab = 12
+    hf = make_tiny_target(tmp_path / "t", "qwen3", vocab_size=vocab, seed=3)
+    with torch.no_grad():   # flatten the tiny model's logits so every token has real mass
+        hf.lm_head.weight.mul_(0.15)
+    hf.save_pretrained(tmp_path / "t")
+    make_tiny_draft(tmp_path / "d", tmp_path / "t", block_size=4, mask_token_id=vocab - 1)
+    prompt = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        seq2 = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2_given_1 = torch.softmax(hf(seq2).logits[:, -1].double(), -1)
+    p2 = p1 @ p2_given_1
+    n = 3000
+    llm = LLM(tmp_path / "t", tmp_path / "d", dtype="float32", max_num_seqs=200,
+              draft_sampling=draft_sampling)
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=2, seed=s)
+                                       for s in range(n)])
+    second = torch.tensor([o.token_ids[1] for o in outs])
+    observed = torch.bincount(second, minlength=vocab).double()
+    assert chisquare(observed.numpy(), (p2 * n).numpy()).pvalue > 1e-3
+    assert llm.metrics()["num_accepted_tokens"] > n // 10   # speculation really happened
