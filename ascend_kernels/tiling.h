@@ -72,6 +72,61 @@ inline uint64_t context_kv_ub_bytes(const ContextKvTiling& t, uint32_t elem_byte
   return bytes;
 }
 
+// Workspace of Sum over rows of `n` elements: one partial per 32-byte block of a row. This is the
+// emulation's reading of the API; the NPU launchers use the larger of it and CANN's
+// GetSumMaxMinTmpSize.
+inline uint32_t sum_tmp_bytes(uint32_t n, uint32_t elem_bytes) {
+  return static_cast<uint32_t>(align32((uint64_t{n} * elem_bytes + 31) / 32 * elem_bytes));
+}
+
+// A head of D elements padded to 32 bytes of the input dtype (DataCopyPad's UB row footprint).
+inline uint32_t head_pad(uint32_t head_dim, uint32_t elem_bytes) {
+  return static_cast<uint32_t>(align32(uint64_t{head_dim} * elem_bytes) / elem_bytes);
+}
+
+// The UB the paged_attention kernel's InitBuffer calls take for an input dtype of `elem_bytes`.
+inline uint64_t paged_attention_ub_bytes(const PagedAttentionTiling& t, uint32_t elem_bytes) {
+  const uint64_t rows = uint64_t{t.q_tile} * t.head_tile;
+  const uint64_t row = uint64_t{t.head_pad} * 4, keys = uint64_t{t.kv_tile} * t.head_pad;
+  uint64_t bytes = 2 * rows * row;                  // queries and output accumulators, float
+  bytes += 2 * 2 * align32(keys * elem_bytes);      // K and V chunks, double buffered
+  bytes += keys * 4;                                // products
+  if (elem_bytes != 4) bytes += align32(rows * t.head_pad * elem_bytes) + 2 * keys * 4;
+  bytes += align32((uint64_t{t.kv_tile} + 1) * 4) + align32(2 * 8 * 4);  // scores, results
+  return bytes + align32(uint64_t{t.reduce_tmp} * 4) + align32(t.sum_tmp);
+}
+
+// Work items hold whole GQA groups and as many query positions as fit (K/V are read once per
+// item); chunks hold up to 32 keys. When the UB is too small, chunks shrink to 16 keys first, then
+// items take fewer positions, then fewer heads of the group; only then do chunks go below 16 keys
+// (8, then down to 1), again with the largest items that fit. q_tile == 0: nothing fits.
+inline PagedAttentionTiling paged_attention_tiling(uint32_t q_heads, uint32_t kv_heads,
+                                                   uint32_t head_dim, uint32_t block_size,
+                                                   uint32_t max_blocks, uint32_t max_query_len,
+                                                   bool causal, float scale, uint32_t elem_bytes,
+                                                   uint64_t ub_bytes, uint32_t sum_tmp) {
+  const uint32_t group = q_heads / kv_heads;
+  PagedAttentionTiling t{0,     q_heads, kv_heads, head_dim, head_pad(head_dim, elem_bytes),
+                         block_size, max_blocks, group, 0, 0, 0, causal ? 1u : 0u, 0, sum_tmp,
+                         scale};
+  for (uint32_t min_kv : {16u, 8u, 1u}) {
+    for (uint32_t heads = group; heads >= 1; heads = heads == 1 ? 0 : (heads + 1) / 2) {
+      const uint32_t max_q = std::min(std::max(max_query_len, 1u), kPagedAttentionMaxRows / heads);
+      for (uint32_t q = max_q; q >= 1; --q) {
+        for (uint32_t kv = 32; kv >= min_kv; kv /= 2) {
+          t.q_tile = q;
+          t.head_tile = heads;
+          t.kv_tile = kv;
+          t.reduce_tmp = reduce_tmp_elems(kv + 1, 4);
+          if (paged_attention_ub_bytes(t, elem_bytes) <= ub_bytes) return t;
+        }
+      }
+    }
+  }
+  t.q_tile = 0;
+  return t;
+}
+
 // One block per work item (sequence or token) up to the number of vector cores.
 inline uint32_t block_dim(uint64_t items, uint32_t cores) {
   return static_cast<uint32_t>(std::min<uint64_t>(items, std::max(cores, 1u)));
