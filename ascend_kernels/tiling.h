@@ -14,6 +14,8 @@ constexpr uint64_t kUbBytes = 192 * 1024;  // unified buffer of one 910B vector 
 
 inline uint64_t align32(uint64_t bytes) { return (bytes + 31) / 32 * 32; }
 
+inline uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
 // Workspace of the count-form reductions: one (value, index) pair per 256-byte repeat.
 inline uint32_t reduce_tmp_elems(uint32_t count, uint32_t elem_bytes) {
   const uint64_t repeats = (static_cast<uint64_t>(count) * elem_bytes + 255) / 256;
@@ -99,7 +101,8 @@ inline uint64_t paged_attention_ub_bytes(const PagedAttentionTiling& t, uint32_t
 // Work items hold whole GQA groups and as many query positions as fit (K/V are read once per
 // item); chunks hold up to 32 keys. When the UB is too small, chunks shrink to 16 keys first, then
 // items take fewer positions, then fewer heads of the group; only then do chunks go below 16 keys
-// (8, then down to 1), again with the largest items that fit. q_tile == 0: nothing fits.
+// (8, then down to 1), again with the largest items that fit. Split items are then evened out.
+// q_tile == 0: nothing fits.
 inline PagedAttentionTiling paged_attention_tiling(uint32_t q_heads, uint32_t kv_heads,
                                                    uint32_t head_dim, uint32_t block_size,
                                                    uint32_t max_blocks, uint32_t max_query_len,
@@ -109,16 +112,27 @@ inline PagedAttentionTiling paged_attention_tiling(uint32_t q_heads, uint32_t kv
   PagedAttentionTiling t{0,     q_heads, kv_heads, head_dim, head_pad(head_dim, elem_bytes),
                          block_size, max_blocks, group, 0, 0, 0, causal ? 1u : 0u, 0, sum_tmp,
                          scale};
+  const uint32_t query_len = std::max(max_query_len, 1u);
   for (uint32_t min_kv : {16u, 8u, 1u}) {
     for (uint32_t heads = group; heads >= 1; heads = heads == 1 ? 0 : (heads + 1) / 2) {
-      const uint32_t max_q = std::min(std::max(max_query_len, 1u), kPagedAttentionMaxRows / heads);
-      for (uint32_t q = max_q; q >= 1; --q) {
+      for (uint32_t q = std::min(query_len, kPagedAttentionMaxRows / heads); q >= 1; --q) {
         for (uint32_t kv = 32; kv >= min_kv; kv /= 2) {
           t.q_tile = q;
           t.head_tile = heads;
           t.kv_tile = kv;
           t.reduce_tmp = reduce_tmp_elems(kv + 1, 4);
-          if (paged_attention_ub_bytes(t, elem_bytes) <= ub_bytes) return t;
+          if (paged_attention_ub_bytes(t, elem_bytes) > ub_bytes) continue;
+          // As many items as needed, but of even sizes (16 positions: 8 + 8 rather than 15 + 1);
+          // the room that frees may take larger chunks.
+          t.q_tile = ceil_div(query_len, ceil_div(query_len, q));
+          t.head_tile = ceil_div(group, ceil_div(group, heads));
+          for (uint32_t larger = 32; larger > kv; larger /= 2) {
+            PagedAttentionTiling u = t;
+            u.kv_tile = larger;
+            u.reduce_tmp = reduce_tmp_elems(larger + 1, 4);
+            if (paged_attention_ub_bytes(u, elem_bytes) <= ub_bytes) return u;
+          }
+          return t;
         }
       }
     }
