@@ -79,7 +79,7 @@ class PagedAttention {
   __aicore__ inline void Process() {
     bool outputInFlight = false;
     for (uint32_t i = AscendC::GetBlockIdx(); i < t_.items; i += AscendC::GetBlockNum()) {
-      dflash_kernels::LoadTiling(item_, work_ + i * sizeof(PagedAttentionItem));
+      dflash_kernels::LoadTiling(item_, work_ + i * sizeof(PagedAttentionItem));  // 32-bit words
       seqStart_ = static_cast<uint32_t>(cuQueryLens_.GetValue(item_.seq));
       context_ = static_cast<uint32_t>(contextLens_.GetValue(item_.seq));
       const uint32_t newTokens = static_cast<uint32_t>(cuQueryLens_.GetValue(item_.seq + 1)) -
@@ -97,7 +97,7 @@ class PagedAttention {
   }
 
  private:
-  // GM offset of query / output head (position p, head h) of the item.
+  // GM offset of the item's first query head at its position p (the output's is the same).
   __aicore__ inline uint64_t HeadOffset(uint32_t p) const {
     return (static_cast<uint64_t>(seqStart_) + item_.q0 + p) * t_.q_heads * t_.head_dim +
            (static_cast<uint64_t>(item_.kv_head) * t_.group + item_.h0) * t_.head_dim;

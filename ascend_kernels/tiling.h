@@ -113,24 +113,23 @@ inline PagedAttentionTiling paged_attention_tiling(uint32_t q_heads, uint32_t kv
                          block_size, max_blocks, group, 0, 0, 0, causal ? 1u : 0u, 0, sum_tmp,
                          scale};
   const uint32_t query_len = std::max(max_query_len, 1u);
+  auto fits = [&](uint32_t q, uint32_t heads, uint32_t kv) {
+    t.q_tile = q;
+    t.head_tile = heads;
+    t.kv_tile = kv;
+    t.reduce_tmp = reduce_tmp_elems(kv + 1, 4);
+    return paged_attention_ub_bytes(t, elem_bytes) <= ub_bytes;
+  };
   for (uint32_t min_kv : {16u, 8u, 1u}) {
     for (uint32_t heads = group; heads >= 1; heads = heads == 1 ? 0 : (heads + 1) / 2) {
       for (uint32_t q = std::min(query_len, kPagedAttentionMaxRows / heads); q >= 1; --q) {
         for (uint32_t kv = 32; kv >= min_kv; kv /= 2) {
-          t.q_tile = q;
-          t.head_tile = heads;
-          t.kv_tile = kv;
-          t.reduce_tmp = reduce_tmp_elems(kv + 1, 4);
-          if (paged_attention_ub_bytes(t, elem_bytes) > ub_bytes) continue;
+          if (!fits(q, heads, kv)) continue;
           // As many items as needed, but of even sizes (16 positions: 8 + 8 rather than 15 + 1);
-          // the room that frees may take larger chunks.
-          t.q_tile = ceil_div(query_len, ceil_div(query_len, q));
-          t.head_tile = ceil_div(group, ceil_div(group, heads));
-          for (uint32_t larger = 32; larger > kv; larger /= 2) {
-            PagedAttentionTiling u = t;
-            u.kv_tile = larger;
-            u.reduce_tmp = reduce_tmp_elems(larger + 1, 4);
-            if (paged_attention_ub_bytes(u, elem_bytes) <= ub_bytes) return u;
+          // the room that frees may take larger chunks (at worst kv fits again).
+          const uint32_t even_q = ceil_div(query_len, ceil_div(query_len, q));
+          const uint32_t even_heads = ceil_div(group, ceil_div(group, heads));
+          for (uint32_t larger = 32; !fits(even_q, even_heads, larger); larger /= 2) {
           }
           return t;
         }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cpu/common.h"
@@ -293,11 +294,11 @@ inline ContextKvLaunch prepare_context_kv(
 // paged_attention
 // ---------------------------------------------------------------------------------------------
 
-inline void check_paged_attention(const at::Tensor& query, const at::Tensor& key,
-                                  const at::Tensor& value, const at::Tensor& key_cache,
-                                  const at::Tensor& value_cache, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                                  double scale) {
+// Returns host copies of cu_query_lens and context_lens (the work list is built from them).
+inline std::pair<at::Tensor, at::Tensor> check_paged_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale) {
   constexpr const char* op = "paged_attention";
   check_tensor(op, "query", query, {at::kFloat, at::kBFloat16, at::kHalf}, 3);
   const auto dtype = query.scalar_type();
@@ -340,6 +341,7 @@ inline void check_paged_attention(const at::Tensor& query, const at::Tensor& key
              num_blocks, " cache blocks");
     }
   }
+  return {cu, ctx};
 }
 
 struct PagedAttentionLaunch {
@@ -363,11 +365,10 @@ inline PagedAttentionLaunch prepare_paged_attention(
     uint32_t cores, uint64_t ub_bytes = kUbBytes,
     SumWorkspace sum_workspace = emulated_sum_workspace) {
   constexpr const char* op = "paged_attention";
-  check_paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
-                        cu_query_lens, scale);
+  const auto [cu, ctx] = check_paged_attention(query, key, value, key_cache, value_cache,
+                                               block_table, context_lens, cu_query_lens, scale);
   const int64_t hq = query.size(1), d = query.size(2), hkv = key.size(1);
   const int64_t batch = block_table.size(0);
-  at::Tensor cu = cu_query_lens.cpu(), ctx = context_lens.cpu();
   const auto c = cu.accessor<int32_t, 1>();
   const auto lens = ctx.accessor<int32_t, 1>();
   uint32_t max_query = 0;
