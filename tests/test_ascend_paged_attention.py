@@ -85,7 +85,7 @@ def test_sample_covers_every_axis_value():
     (22 * 1024, lambda q, h, kv: q == 1 and h < 4 and kv == 16),
     # chunks below 16 keys
     (7 * 1024, lambda q, h, kv: kv < 8),
-])
+], ids=["whole-block", "fewer-positions", "split-heads", "small-chunks"])
 def test_tiling_shrinks_with_the_unified_buffer_and_results_do_not_change(emu, ub_bytes, fits):
     emu.configure(3, 0, ub_bytes)
     assert fits(*emu.paged_attention_plan(8, 2, 64, 16, 16, 4))
