@@ -1,8 +1,13 @@
 """Build dflash: the CPU extension always; the Ascend NPU kernels with `--device npu`.
 
-    pip install --no-build-isolation -e .              # CPU (default)
-    python setup.py build --device npu                  # also the Ascend C kernels (needs CANN)
+    pip install --no-build-isolation -e .                    # CPU (default)
+    python setup.py build_ext --inplace --device npu          # also the Ascend C kernels (CANN)
     DFLASH_DEVICE=npu pip install --no-build-isolation .
+
+The NPU part is a CMake project (ascend_kernels/CMakeLists.txt, modules in cmake/) built into
+build/npu (DFLASH_NPU_BUILD_DIR overrides) whose library, _npu_kernels.so, lands next to the
+package's other extensions. `DFLASH_NPU_DRY_RUN=1` only configures that project and stops: the CI
+check of the build scripts against a stub CANN tree.
 
 CPU kernels (csrc/cpu/*.cpp) are compiled once per CPU capability so one wheel runs everywhere and
 uses AVX-512 where the host has it; dflash picks the best library at import time.
@@ -11,6 +16,8 @@ uses AVX-512 where the host has it; dflash picks the best library at import time
 
 import glob
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,6 +65,8 @@ def missing_npu_prerequisites() -> list[str]:
 
     if importlib.util.find_spec("torch_npu") is None:
         missing.append("torch_npu is not installed (pip install torch-npu matching your torch)")
+    if shutil.which("cmake") is None:
+        missing.append("cmake is not on PATH (pip install cmake)")
     return missing
 
 
@@ -68,8 +77,22 @@ def check_npu_build() -> None:
                  "and torch_npu.\n"
                  "Missing:\n  - " + "\n  - ".join(missing) +
                  "\nThe CPU build needs none of these: drop --device npu / DFLASH_DEVICE=npu.")
-    sys.exit("dflash: the Ascend C kernel build (ascend_kernels/ via cmake/) is not part of this "
-             "version yet; only the CPU build is available.")
+
+
+def build_npu(output_dir: Path, configure_only: bool = False) -> None:
+    """Configure (and unless `configure_only`, build) ascend_kernels/ with CMake; the library
+    goes to `output_dir`."""
+    build_dir = Path(os.environ.get("DFLASH_NPU_BUILD_DIR", ROOT / "build" / "npu"))
+    configure = ["cmake", "-S", str(ROOT / "ascend_kernels"), "-B", str(build_dir),
+                 f"-DSOC_VERSION={os.environ['SOC_VERSION']}",
+                 f"-DASCEND_HOME_PATH={os.environ['ASCEND_HOME_PATH']}",
+                 f"-DPython3_EXECUTABLE={sys.executable}",
+                 f"-DDFLASH_NPU_OUTPUT_DIR={output_dir}", "-DCMAKE_BUILD_TYPE=Release"]
+    steps = [configure] if configure_only else \
+        [configure, ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 1)]]
+    for step in steps:
+        if subprocess.run(step).returncode != 0:
+            sys.exit(f"dflash: the NPU build failed at: {' '.join(step)}")
 
 
 def capabilities() -> list[str]:
@@ -117,9 +140,24 @@ def extensions():
     return exts
 
 
+def build_ext_with_npu(base):
+    """`base` (torch's BuildExtension), then the NPU library into the same package directory."""
+    class BuildExtWithNpu(base):
+        def run(self):
+            super().run()
+            build_npu(ROOT / "dflash" if self.inplace else Path(self.build_lib) / "dflash")
+
+    return BuildExtWithNpu
+
+
 if __name__ == "__main__":
-    if take_device_arg() == "npu":
+    npu = take_device_arg() == "npu"
+    if npu:
         check_npu_build()
+        if os.environ.get("DFLASH_NPU_DRY_RUN"):
+            build_npu(ROOT / "dflash", configure_only=True)
+            sys.exit(0)
     from torch.utils.cpp_extension import BuildExtension
 
-    setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExtension})
+    build_ext = build_ext_with_npu(BuildExtension) if npu else BuildExtension
+    setup(ext_modules=extensions(), cmdclass={"build_ext": build_ext})

@@ -14,6 +14,8 @@ constexpr uint64_t kUbBytes = 192 * 1024;  // unified buffer of one 910B vector 
 
 inline uint64_t align32(uint64_t bytes) { return (bytes + 31) / 32 * 32; }
 
+inline uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
 // Workspace of the count-form reductions: one (value, index) pair per 256-byte repeat.
 inline uint32_t reduce_tmp_elems(uint32_t count, uint32_t elem_bytes) {
   const uint64_t repeats = (static_cast<uint64_t>(count) * elem_bytes + 255) / 256;
@@ -70,6 +72,72 @@ inline uint64_t context_kv_ub_bytes(const ContextKvTiling& t, uint32_t elem_byte
   bytes += align32(uint64_t{t.kv_heads} * t.head_dim * elem_bytes);  // V row
   bytes += 2 * align32(uint64_t{t.kv_heads} * 8 * 4) + align32(uint64_t{t.reduce_tmp} * 4);
   return bytes;
+}
+
+// Workspace of Sum over rows of `n` elements: one partial per 32-byte block of a row. This is the
+// emulation's reading of the API; the NPU launchers use the larger of it and CANN's
+// GetSumMaxMinTmpSize.
+inline uint32_t sum_tmp_bytes(uint32_t n, uint32_t elem_bytes) {
+  return static_cast<uint32_t>(align32((uint64_t{n} * elem_bytes + 31) / 32 * elem_bytes));
+}
+
+// A head of D elements padded to 32 bytes of the input dtype (DataCopyPad's UB row footprint).
+inline uint32_t head_pad(uint32_t head_dim, uint32_t elem_bytes) {
+  return static_cast<uint32_t>(align32(uint64_t{head_dim} * elem_bytes) / elem_bytes);
+}
+
+// The UB the paged_attention kernel's InitBuffer calls take for an input dtype of `elem_bytes`.
+inline uint64_t paged_attention_ub_bytes(const PagedAttentionTiling& t, uint32_t elem_bytes) {
+  const uint64_t rows = uint64_t{t.q_tile} * t.head_tile;
+  const uint64_t row = uint64_t{t.head_pad} * 4, keys = uint64_t{t.kv_tile} * t.head_pad;
+  uint64_t bytes = 2 * rows * row;                  // queries and output accumulators, float
+  bytes += 2 * 2 * align32(keys * elem_bytes);      // K and V chunks, double buffered
+  bytes += keys * 4;                                // products
+  if (elem_bytes != 4) bytes += align32(rows * t.head_pad * elem_bytes) + 2 * keys * 4;
+  bytes += align32((uint64_t{t.kv_tile} + 1) * 4) + align32(2 * 8 * 4);  // scores, results
+  return bytes + align32(uint64_t{t.reduce_tmp} * 4) + align32(t.sum_tmp);
+}
+
+// Work items hold whole GQA groups and as many query positions as fit (K/V are read once per
+// item); chunks hold up to 32 keys. When the UB is too small, chunks shrink to 16 keys first, then
+// items take fewer positions, then fewer heads of the group; only then do chunks go below 16 keys
+// (8, then down to 1), again with the largest items that fit. Split items are then evened out.
+// q_tile == 0: nothing fits.
+inline PagedAttentionTiling paged_attention_tiling(uint32_t q_heads, uint32_t kv_heads,
+                                                   uint32_t head_dim, uint32_t block_size,
+                                                   uint32_t max_blocks, uint32_t max_query_len,
+                                                   bool causal, float scale, uint32_t elem_bytes,
+                                                   uint64_t ub_bytes, uint32_t sum_tmp) {
+  const uint32_t group = q_heads / kv_heads;
+  PagedAttentionTiling t{0,     q_heads, kv_heads, head_dim, head_pad(head_dim, elem_bytes),
+                         block_size, max_blocks, group, 0, 0, 0, causal ? 1u : 0u, 0, sum_tmp,
+                         scale};
+  const uint32_t query_len = std::max(max_query_len, 1u);
+  auto fits = [&](uint32_t q, uint32_t heads, uint32_t kv) {
+    t.q_tile = q;
+    t.head_tile = heads;
+    t.kv_tile = kv;
+    t.reduce_tmp = reduce_tmp_elems(kv + 1, 4);
+    return paged_attention_ub_bytes(t, elem_bytes) <= ub_bytes;
+  };
+  for (uint32_t min_kv : {16u, 8u, 1u}) {
+    for (uint32_t heads = group; heads >= 1; heads = heads == 1 ? 0 : (heads + 1) / 2) {
+      for (uint32_t q = std::min(query_len, kPagedAttentionMaxRows / heads); q >= 1; --q) {
+        for (uint32_t kv = 32; kv >= min_kv; kv /= 2) {
+          if (!fits(q, heads, kv)) continue;
+          // As many items as needed, but of even sizes (16 positions: 8 + 8 rather than 15 + 1);
+          // the room that frees may take larger chunks (at worst kv fits again).
+          const uint32_t even_q = ceil_div(query_len, ceil_div(query_len, q));
+          const uint32_t even_heads = ceil_div(group, ceil_div(group, heads));
+          for (uint32_t larger = 32; !fits(even_q, even_heads, larger); larger /= 2) {
+          }
+          return t;
+        }
+      }
+    }
+  }
+  t.q_tile = 0;
+  return t;
 }
 
 // One block per work item (sequence or token) up to the number of vector cores.

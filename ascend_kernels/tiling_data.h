@@ -21,3 +21,36 @@ struct ContextKvTiling {
   uint32_t reduce_tmp;  // float elements of the reduction workspace
   float eps;
 };
+
+// One paged_attention work item: query positions [q0, q0 + qn) of sequence `seq` (relative to the
+// sequence's first row), query heads [h0, h0 + hn) of kv head `kv_head`'s group.
+struct PagedAttentionItem {
+  uint32_t seq;
+  uint32_t kv_head;
+  uint32_t q0;
+  uint32_t qn;
+  uint32_t h0;
+  uint32_t hn;
+};
+
+// The kernel keeps each row's running max and sum in scalar registers: at most this many rows
+// (query positions x heads) per work item.
+constexpr uint32_t kPagedAttentionMaxRows = 256;
+
+struct PagedAttentionTiling {
+  uint32_t items;       // work items (rows of the work table)
+  uint32_t q_heads;     // Hq
+  uint32_t kv_heads;    // Hkv
+  uint32_t head_dim;    // D
+  uint32_t head_pad;    // D rounded up to 32 bytes of the input dtype: a head's stride in the UB
+  uint32_t block_size;  // cache slots per block
+  uint32_t max_blocks;  // block_table row length
+  uint32_t group;       // Hq / Hkv
+  uint32_t q_tile;      // query positions per work item (at most)
+  uint32_t head_tile;   // query heads of one group per work item (at most)
+  uint32_t kv_tile;     // keys per chunk (at most; a chunk never crosses a cache block)
+  uint32_t causal;      // 1: new token i sees the context and new tokens 0..i
+  uint32_t reduce_tmp;  // float elements of the ReduceMax / ReduceSum workspace
+  uint32_t sum_tmp;     // bytes of the Sum workspace (row sums of kv_tile x head_dim products)
+  float scale;
+};

@@ -6,12 +6,16 @@
 * Every op gets a fake (meta) implementation here, so `torch.compile` and graph capture can
   trace it.
 * An op without a compiled CPU kernel falls back to its PyTorch reference for the CPU key.
+* When the NPU build (`setup.py --device npu`) produced `dflash._npu_kernels`, torch_npu is
+  imported and that library registers the PrivateUse1 (NPU) kernels. A CPU-only install never
+  imports torch_npu.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 
 import torch
 
@@ -37,6 +41,22 @@ def _load_cpu_kernels() -> str | None:
     return None
 
 
+def _load_npu_kernels() -> str | None:
+    """Path of the NPU kernel library if one was built and loaded, else None."""
+    spec = importlib.util.find_spec("dflash._npu_kernels")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        import torch_npu  # noqa: F401  (registers the NPU device, PrivateUse1, with torch)
+
+        torch.ops.load_library(spec.origin)
+    except (ImportError, OSError, RuntimeError) as e:  # e.g. CANN set_env.sh not sourced
+        warnings.warn(f"dflash: NPU kernels {spec.origin} not loaded ({e}); "
+                      "only the CPU implementations are available", RuntimeWarning, stacklevel=2)
+        return None
+    return spec.origin
+
+
 def has_kernel(op: str, dispatch_key: str = "CPU") -> bool:
     """True when a compiled kernel (not the Python reference fallback) serves `op`."""
     return op not in _REFERENCE_FALLBACKS.get(dispatch_key, set()) and \
@@ -44,6 +64,7 @@ def has_kernel(op: str, dispatch_key: str = "CPU") -> bool:
 
 
 CPU_CAPABILITY = _load_cpu_kernels()
+NPU_KERNELS = _load_npu_kernels()
 _REFERENCE_FALLBACKS: dict[str, set[str]] = {"CPU": set()}
 
 for _op in OPS:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _library
+from . import _library, npu_attention
 
 
 def implementation(op: str) -> str:
@@ -70,10 +70,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     Returns:
         [Tq, Hq, D] in the query dtype; softmax in float32.
+
+    On an Ascend NPU, `DFLASH_NPU_ATTENTION=fused_infer` serves this call with torch_npu's
+    `npu_fused_infer_attention_score` instead of dflash's kernel (see `dflash.npu_attention`).
     """
-    return torch.ops.dflash.paged_attention(query, key, value, key_cache, value_cache,
-                                            block_table, context_lens, cu_query_lens, scale,
-                                            causal)
+    return npu_attention.paged_attention(query, key, value, key_cache, value_cache, block_table,
+                                         context_lens, cu_query_lens, scale, causal)
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -20,6 +20,7 @@ SOURCES = [
     KERNELS / "emu" / "launchers.cpp",
     KERNELS / "rejection_sample.cpp",
     KERNELS / "context_kv.cpp",
+    KERNELS / "paged_attention.cpp",
     ROOT / "tests" / "ascend_emu_snippets.cpp",
 ]
 INCLUDES = [KERNELS / "emu", KERNELS, ROOT / "csrc"]

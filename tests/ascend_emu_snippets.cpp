@@ -229,6 +229,36 @@ void reduce_max_index_ok(GM_ADDR i, GM_ADDR o) {
   CopyOut(gm.out, w.Get<float>(), 2);
 }
 
+// ---- sum: Sum reduces rows that are whole 32-byte blocks long
+// -------------------------------------
+
+void sum_bad(GM_ADDR, GM_ADDR) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> f, w;
+  pipe.InitBuffer(f, 64 * sizeof(float));
+  pipe.InitBuffer(w, 64 * sizeof(float));
+  Duplicate(f.Get<float>(), 1.0f, 64);
+  PipeBarrier<PIPE_V>();
+  Sum(w.Get<float>(), f.Get<float>(), w.Get<uint8_t>()[32], SumParams{2, 6, 6});  // 24-byte rows
+}
+
+// out[0:4] = sums of the first 37 of each 40 floats of in[0:160]; out[4:8] = Sum's unspecified
+// tail of the 32-byte destination block.
+void sum_ok(GM_ADDR i, GM_ADDR o) {
+  Gm gm(i, o);
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> f, w;
+  pipe.InitBuffer(f, 160 * sizeof(float));
+  pipe.InitBuffer(w, 64 * sizeof(float));
+  DataCopy(f.Get<float>(), gm.in, 160);
+  SetFlag<HardEvent::MTE2_V>(0);
+  WaitFlag<HardEvent::MTE2_V>(0);
+  Sum(w.Get<float>(), f.Get<float>(), w.Get<uint8_t>()[32], SumParams{4, 40, 37});
+  SetFlag<HardEvent::V_MTE3>(0);
+  WaitFlag<HardEvent::V_MTE3>(0);
+  CopyOut(gm.out, w.Get<float>(), 8);
+}
+
 // The other elementwise ops, 32 lanes each: x = in[0:32], y = in[32:64] (y > 0):
 // out = [max(x, y), min(x, y), x - y, x / y, exp(x), ln(y), sqrt(y), rsqrt(y)].
 void elementwise_ok(GM_ADDR i, GM_ADDR o) {
@@ -598,6 +628,8 @@ const Entry kSnippets[] = {
     SNIPPET(cast_roundtrip_ok, 1),
     SNIPPET(reduce_max_index_ok, 1),
     SNIPPET(elementwise_ok, 1),
+    SNIPPET(sum_bad, 1),
+    SNIPPET(sum_ok, 1),
     SNIPPET(compare_bad, 1),
     SNIPPET(compare_ok, 1),
     SNIPPET(poison_fresh_bad, 1),

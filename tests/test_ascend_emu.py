@@ -48,6 +48,7 @@ def run(name, inp=None):
     ("cast", "cast_mode_bad", "only CAST_RINT / CAST_NONE"),
     ("select", "select_mode_bad", "needs VSEL_TENSOR_SCALAR_MODE"),
     ("queue", "queue_free_bad", "FreeTensor of a tensor this queue does not hold"),
+    ("sum", "sum_bad", "rows of inner = 6 elements are not a multiple of 32 bytes"),
 ])
 def test_violation_is_caught(rule, snippet, message):
     with pytest.raises(RuntimeError, match=rf"ascend-emu \[{rule}\] .*{message}"):
@@ -107,6 +108,12 @@ def test_elementwise_ops_match_torch():
     expected = torch.cat([torch.maximum(x, y), torch.minimum(x, y), x - y, x / y, x.exp(),
                           y.log(), y.sqrt(), y.rsqrt()])
     torch.testing.assert_close(out, expected)
+
+
+def test_sum_adds_the_first_n_of_each_row_and_leaves_the_block_tail_unspecified():
+    inp, out, _ = run("sum_ok")
+    torch.testing.assert_close(out[:4], inp[:160].view(4, 40)[:, :37].sum(-1))
+    assert torch.isnan(out[4:8]).all()
 
 
 def test_compare_select_match_torch():

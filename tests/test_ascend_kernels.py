@@ -17,11 +17,11 @@ from dflash.testing import context_kv_inputs, rejection_sample_inputs
 def emu():
     """The emulated ops with the default launch configuration, restored after each test."""
     yield ops()
-    ops().configure(8, 0)
+    ops().configure(8, 0, 0)
 
 
 def test_schemas_match_torch_ops_dflash(emu):
-    for op in ("context_kv", "rejection_sample"):
+    for op in ("context_kv", "paged_attention", "rejection_sample"):
         ours = str(getattr(emu, op).default._schema).replace("dflash_emu::", "")
         assert ours == str(getattr(torch.ops.dflash, op).default._schema).replace("dflash::", "")
 

@@ -19,7 +19,7 @@ IMPLEMENTATIONS = {
     "reference": lambda op: getattr(reference, op),
     "torch.ops": lambda op: getattr(torch.ops.dflash, op),
     # the Ascend C kernels compiled for x86 against the emulation, behind their host launchers
-    "ascend-emu": lambda op: getattr(ascend_emu.ops(), op) if op != "paged_attention" else None,
+    "ascend-emu": lambda op: getattr(ascend_emu.ops(), op),
 }
 
 

@@ -319,4 +319,44 @@ void ReduceMin(const LocalTensor<T>& dst, const LocalTensor<T>& src, const Local
                          [](auto a, auto b) { return a < b; });
 }
 
+// Sum (high-level API): dst[i] = sum of the first n elements of row i of src [outter, inner], in
+// float, sequentially (the hardware's order differs in the last bits). Rows are inner elements
+// apart, inner * sizeof(T) a multiple of 32 bytes; dst covers outter elements rounded up to 32
+// bytes and its lanes past outter are left unspecified (poisoned); src and dst may not overlap.
+// The workspace size is our reading (one partial per 32-byte block of a row); on the NPU
+// GetSumMaxMinTmpSize gives the real one.
+struct SumParams {
+  uint32_t outter = 1;
+  uint32_t inner = 0;
+  uint32_t n = 0;
+};
+
+template <typename T, int32_t reduceDim = -1, bool isReuseSource = false, bool isBasicBlock = false>
+void Sum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<uint8_t>& tmp,
+         const SumParams& p) {
+  detail::floating<T>("Sum");
+  if (p.outter == 0 || p.n == 0 || p.n > p.inner)
+    emu::fail("sum", "Sum needs outter >= 1 and 1 <= n <= inner, got outter ", p.outter, ", n ",
+              p.n, ", inner ", p.inner);
+  if (p.inner * sizeof(T) % emu::kAlign)
+    emu::fail("sum", "Sum rows of inner = ", p.inner, " elements are not a multiple of 32 bytes");
+  const uint32_t dst_bytes = emu::round_up(p.outter * sizeof(T), emu::kAlign);
+  const uint32_t tmp_bytes = emu::round_up((p.n * sizeof(T) + emu::kAlign - 1) / emu::kAlign *
+                                               sizeof(T), emu::kAlign);
+  detail::VecInstr("Sum")
+      .src(src, p.outter * p.inner * sizeof(T))
+      .dst(tmp, tmp_bytes)
+      .dst(dst, dst_bytes)
+      .run(false);
+  const T* x = src.data();
+  T* d = dst.data();
+  for (uint32_t i = 0; i < p.outter; ++i) {
+    detail::compute_t<T> sum = 0;
+    for (uint32_t k = 0; k < p.n; ++k) sum += detail::load(x[i * p.inner + k]);
+    d[i] = detail::store<T>(sum);
+  }
+  for (uint32_t i = p.outter; i < dst_bytes / sizeof(T); ++i)
+    std::memcpy(&d[i], &emu::kPoisonWord, sizeof(T));
+}
+
 }  // namespace AscendC

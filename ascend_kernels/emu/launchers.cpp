@@ -13,6 +13,13 @@ void dflash_rejection_sample(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, u
 void dflash_context_kv_fp32(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
 void dflash_context_kv_fp16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
 void dflash_context_kv_bf16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
+#define DFLASH_PAGED_ATTENTION_KERNEL(NAME)                                                     \
+  void NAME(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, \
+            uint8_t*, uint8_t*, uint8_t*);
+DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32)
+DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16)
+DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_bf16)
+#undef DFLASH_PAGED_ATTENTION_KERNEL
 }
 
 namespace dflash_emu {
@@ -24,11 +31,13 @@ bool find_snippet(const std::string& name, uint32_t& blocks, SnippetKernel& kern
 
 namespace {
 
-// Set by the test-only op `configure`: the vector cores the launchers spread blocks over, and a
-// cap on rejection_sample's vocabulary tile (0: as large as the UB allows).
+// Set by the test-only op `configure`: the vector cores the launchers spread blocks over, a cap on
+// rejection_sample's vocabulary tile (0: as large as the UB allows), and the unified buffer the
+// tilings plan for (smaller than the hardware's to force small tiles on small inputs).
 struct Config {
   uint32_t cores = 8;
   uint32_t max_tile = 0;
+  uint64_t ub_bytes = dflash::ascend::kUbBytes;
 } config;
 
 // A GM buffer the kernel may touch: the whole extent of `t`'s elements, whatever its strides.
@@ -49,7 +58,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_toke
                                                     const at::Tensor& exponential) {
   auto l = dflash::ascend::prepare_rejection_sample(draft_token_ids, draft_probs, target_probs,
                                                     is_greedy, uniform, exponential, config.cores,
-                                                    dflash::ascend::kUbBytes, config.max_tile);
+                                                    config.ub_bytes, config.max_tile);
   if (l.block_dim == 0) return {l.out_ids, l.num_accepted};
   std::vector<emu::GmArg> args{
       gm(l.draft_ids, false, "draft_token_ids"), gm(l.target_probs, false, "target_probs"),
@@ -73,7 +82,7 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                 at::TensorList value_caches, double eps) {
   auto l = dflash::ascend::prepare_context_kv(
       hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
-      cos_sin_cache, slot_mapping, key_caches, value_caches, eps, config.cores);
+      cos_sin_cache, slot_mapping, key_caches, value_caches, eps, config.cores, config.ub_bytes);
   if (l.block_dim == 0) return;
   std::vector<emu::GmArg> args{gm(l.kv, false, "kv"),
                                gm(l.k_norm_weight, false, "k_norm_weight"),
@@ -95,10 +104,56 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
   });
 }
 
-void configure(int64_t cores, int64_t max_tile) {
-  TORCH_CHECK_VALUE(cores >= 1 && max_tile >= 0, "configure: cores >= 1 and max_tile >= 0");
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_table, const at::Tensor& context_lens,
+                           const at::Tensor& cu_query_lens, double scale, bool causal) {
+  auto l = dflash::ascend::prepare_paged_attention(query, key, value, key_cache, value_cache,
+                                                   block_table, context_lens, cu_query_lens, scale,
+                                                   causal, config.cores, config.ub_bytes);
+  if (l.block_dim == 0) return l.out;
+  std::vector<emu::GmArg> args{gm(l.query, false, "query"),
+                               gm(l.key, false, "key"),
+                               gm(l.value, false, "value"),
+                               gm(l.key_cache, false, "key_cache"),
+                               gm(l.value_cache, false, "value_cache"),
+                               gm(l.block_table, false, "block_table"),
+                               gm(l.context_lens, false, "context_lens"),
+                               gm(l.cu_query_lens, false, "cu_query_lens"),
+                               gm(l.work, false, "work"),
+                               gm(l.out, true, "output"),
+                               gm(l.tiling_gm, false, "tiling")};
+  auto kernel = l.dtype_code == 0   ? dflash_paged_attention_fp32
+                : l.dtype_code == 1 ? dflash_paged_attention_fp16
+                                    : dflash_paged_attention_bf16;
+  emu::launch(l.block_dim, std::move(args), [&] {
+    kernel(gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value), gm_ptr(l.key_cache),
+           gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
+           gm_ptr(l.cu_query_lens), gm_ptr(l.work), gm_ptr(l.out), gm_ptr(l.tiling_gm));
+  });
+  return l.out;
+}
+
+// The tiling paged_attention would use under the current configuration:
+// [q_tile, head_tile, kv_tile] (all 0 when nothing fits).
+std::vector<int64_t> paged_attention_plan(int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                          int64_t block_size, int64_t max_query_len,
+                                          int64_t elem_bytes) {
+  const auto d = static_cast<uint32_t>(head_dim);
+  auto t = dflash::ascend::paged_attention_tiling(
+      q_heads, kv_heads, d, block_size, 1, max_query_len, false, 1.0f, elem_bytes,
+      config.ub_bytes, dflash::ascend::emulated_sum_workspace(d));
+  if (!t.q_tile) return {0, 0, 0};
+  return {t.q_tile, t.head_tile, t.kv_tile};
+}
+
+void configure(int64_t cores, int64_t max_tile, int64_t ub_bytes) {
+  TORCH_CHECK_VALUE(cores >= 1 && max_tile >= 0 && ub_bytes >= 0,
+                    "configure: cores >= 1, max_tile >= 0 and ub_bytes >= 0");
   config.cores = static_cast<uint32_t>(cores);
   config.max_tile = static_cast<uint32_t>(max_tile);
+  config.ub_bytes = ub_bytes ? std::min<uint64_t>(ub_bytes, dflash::ascend::kUbBytes)
+                             : dflash::ascend::kUbBytes;
 }
 
 // Runs a rule snippet; returns the order in which its blocks ran.
@@ -126,7 +181,15 @@ TORCH_LIBRARY(dflash_emu, m) {
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
-  m.def("configure(int cores, int max_tile) -> ()", &dflash_emu::configure);
+  m.def(
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
+      "float scale, bool causal) -> Tensor");
+  m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash_emu::configure);
+  m.def(
+      "paged_attention_plan(int q_heads, int kv_heads, int head_dim, int block_size, "
+      "int max_query_len, int elem_bytes) -> int[]",
+      &dflash_emu::paged_attention_plan);
   m.def("run_snippet(str name, Tensor input, Tensor(a!) output) -> int[]",
         &dflash_emu::run_snippet);
 }
@@ -134,4 +197,5 @@ TORCH_LIBRARY(dflash_emu, m) {
 TORCH_LIBRARY_IMPL(dflash_emu, CPU, m) {
   m.impl("context_kv", &dflash_emu::context_kv);
   m.impl("rejection_sample", &dflash_emu::rejection_sample);
+  m.impl("paged_attention", &dflash_emu::paged_attention);
 }

@@ -5,8 +5,10 @@
 #pragma once
 
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cpu/common.h"
@@ -285,6 +287,142 @@ inline ContextKvLaunch prepare_context_kv(
   }
   l.cache_table = table.to(hidden.device());
   l.tiling_gm = tiling_tensor(l.tiling, hidden.device());
+  return l;
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged_attention
+// ---------------------------------------------------------------------------------------------
+
+// Returns host copies of cu_query_lens and context_lens (the work list is built from them).
+inline std::pair<at::Tensor, at::Tensor> check_paged_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale) {
+  constexpr const char* op = "paged_attention";
+  check_tensor(op, "query", query, {at::kFloat, at::kBFloat16, at::kHalf}, 3);
+  const auto dtype = query.scalar_type();
+  const auto dev = query.device();
+  const int64_t tq = query.size(0), hq = query.size(1), d = query.size(2);
+  check_tensor(op, "key", key, {dtype}, 3, {tq, -1, d}, dev);
+  const int64_t hkv = key.size(1);
+  check_tensor(op, "value", value, {dtype}, 3, {tq, hkv, d}, dev);
+  if (!(hkv > 0 && hq % hkv == 0))
+    fail(op, "query heads ", hq, " must be a multiple of kv heads ", hkv);
+  check_tensor(op, "key_cache", key_cache, {dtype}, 4, {-1, -1, hkv, d}, dev);
+  check_tensor(op, "value_cache", value_cache, {dtype}, 4, key_cache.sizes().vec(), dev);
+  check_tensor(op, "block_table", block_table, {at::kInt}, 2, {}, dev);
+  const int64_t b = block_table.size(0);
+  check_tensor(op, "context_lens", context_lens, {at::kInt}, 1, {b}, dev);
+  check_tensor(op, "cu_query_lens", cu_query_lens, {at::kInt}, 1, {b + 1}, dev);
+  if (!std::isfinite(scale)) fail(op, "scale must be finite, got ", py_float(scale));
+
+  at::Tensor cu = cu_query_lens.cpu();
+  const auto c = cu.accessor<int32_t, 1>();
+  if (c[0] != 0) fail(op, "cu_query_lens must start at 0, got ", c[0]);
+  if (c[b] != tq) fail(op, "cu_query_lens must end at the ", tq, " query rows, got ", c[b]);
+  for (int64_t i = 0; i < b; ++i) {
+    if (c[i] > c[i + 1])
+      fail(op, "cu_query_lens is not monotone at sequence ", i, ": ", c[i], " > ", c[i + 1]);
+  }
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t max_blocks = block_table.size(1);
+  at::Tensor ctx = context_lens.cpu(), table = block_table.cpu();
+  const auto lens = ctx.accessor<int32_t, 1>();
+  const auto rows = table.accessor<int32_t, 2>();
+  for (int64_t i = 0; i < b; ++i) {
+    if (lens[i] < 0 || lens[i] > max_blocks * block_size)
+      fail(op, "context_lens[", i, "] = ", lens[i], " is out of range: the block table covers ",
+           max_blocks, " blocks x ", block_size, " tokens");
+    const int64_t used = lens[i] ? (lens[i] + block_size - 1) / block_size : 0;
+    for (int64_t j = 0; j < used; ++j) {
+      if (rows[i][j] < 0 || rows[i][j] >= num_blocks)
+        fail(op, "block_table[", i, ", ", j, "] = ", rows[i][j], " is out of range for ",
+             num_blocks, " cache blocks");
+    }
+  }
+  return {cu, ctx};
+}
+
+struct PagedAttentionLaunch {
+  PagedAttentionTiling tiling;
+  uint32_t block_dim;  // 0: no query rows, nothing to launch
+  int dtype_code;      // 0 float32, 1 float16, 2 bfloat16: which kernel
+  at::Tensor query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens;
+  at::Tensor work, out, tiling_gm;
+};
+
+// Bytes of Sum workspace the kernel reserves for rows of `head_dim` floats.
+using SumWorkspace = uint32_t (*)(uint32_t head_dim);
+inline uint32_t emulated_sum_workspace(uint32_t head_dim) { return sum_tmp_bytes(head_dim, 4); }
+
+// Validates, tiles and lists the work items: (sequence, kv head, query tile, head tile), longest
+// first so that the blocks' grid-stride loops end close together.
+inline PagedAttentionLaunch prepare_paged_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
+    const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale, bool causal,
+    uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    SumWorkspace sum_workspace = emulated_sum_workspace) {
+  constexpr const char* op = "paged_attention";
+  const auto [cu, ctx] = check_paged_attention(query, key, value, key_cache, value_cache,
+                                               block_table, context_lens, cu_query_lens, scale);
+  const int64_t hq = query.size(1), d = query.size(2), hkv = key.size(1);
+  const int64_t batch = block_table.size(0);
+  const auto c = cu.accessor<int32_t, 1>();
+  const auto lens = ctx.accessor<int32_t, 1>();
+  uint32_t max_query = 0;
+  for (int64_t i = 0; i < batch; ++i)
+    max_query = std::max(max_query, static_cast<uint32_t>(c[i + 1] - c[i]));
+
+  PagedAttentionLaunch l{};
+  if (query.numel() == 0) {  // no rows, heads or head_dim: nothing to launch
+    l.out = at::empty_like(query);
+    return l;
+  }
+  const auto elem = static_cast<uint32_t>(query.element_size());
+  l.tiling = paged_attention_tiling(hq, hkv, d, key_cache.size(1), block_table.size(1), max_query,
+                                    causal, static_cast<float>(scale), elem, ub_bytes,
+                                    sum_workspace(static_cast<uint32_t>(d)));
+  if (l.tiling.q_tile == 0)
+    fail(op, "head_dim ", d, " does not fit the Ascend kernel's unified buffer of ", ub_bytes,
+         " bytes");
+  const uint32_t group = l.tiling.group, qt = l.tiling.q_tile, ht = l.tiling.head_tile;
+  std::vector<std::pair<int64_t, PagedAttentionItem>> items;  // (keys it reads, item)
+  for (int64_t i = 0; i < batch; ++i) {
+    const uint32_t n = c[i + 1] - c[i];
+    for (uint32_t q0 = 0; q0 < n; q0 += qt) {
+      const uint32_t qn = std::min(qt, n - q0);
+      const int64_t keys = lens[i] + (causal ? q0 + qn : n);
+      for (uint32_t g = 0; g < static_cast<uint32_t>(hkv); ++g) {
+        for (uint32_t h0 = 0; h0 < group; h0 += ht) {
+          const uint32_t hn = std::min(ht, group - h0);
+          items.push_back({keys * qn * hn, {static_cast<uint32_t>(i), g, q0, qn, h0, hn}});
+        }
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  at::Tensor work = at::empty({static_cast<int64_t>(items.size() * sizeof(PagedAttentionItem))},
+                              at::kByte);
+  for (size_t i = 0; i < items.size(); ++i)
+    std::memcpy(work.data_ptr<uint8_t>() + i * sizeof(PagedAttentionItem), &items[i].second,
+                sizeof(PagedAttentionItem));
+  l.tiling.items = static_cast<uint32_t>(items.size());
+  l.block_dim = block_dim(items.size(), cores);
+  l.dtype_code = query.scalar_type() == at::kFloat ? 0 : query.scalar_type() == at::kHalf ? 1 : 2;
+  l.query = query.contiguous();
+  l.key = key.contiguous();
+  l.value = value.contiguous();
+  l.key_cache = key_cache.contiguous();
+  l.value_cache = value_cache.contiguous();
+  l.block_table = block_table.contiguous();
+  l.context_lens = context_lens.contiguous();
+  l.cu_query_lens = cu_query_lens.contiguous();
+  l.work = work.to(query.device());
+  l.out = at::empty_like(l.query);
+  l.tiling_gm = tiling_tensor(l.tiling, query.device());
   return l;
 }
 
