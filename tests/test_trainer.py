@@ -64,7 +64,8 @@ def _answers(n=24, length=40):
 def _config(**kw):
     base = dict(num_layers=1, intermediate_size=64, block_size=8, mask_token_id=95,
                 target_layer_ids=[1, 3], total_steps=30, warmup_steps=2, seqs_per_step=4,
-                anchors_per_seq=8, heldout=4, checkpoint_every=10, eval_every=10, lr=1e-2)
+                anchors_per_seq=8, heldout=4, checkpoint_every=10, eval_every=10, lr=1e-2,
+                draft_vocab_size=60)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -89,4 +90,7 @@ def test_training_learns_and_resumes_exactly(tiny, tmp_path):
     exported = json.loads((tmp_path / "b" / "draft" / "config.json").read_text())
     assert exported["dflash_config"] == {"block_size": 8, "mask_token_id": 95,
                                          "target_layer_ids": [1, 3]}
-    assert load_draft(tmp_path / "b" / "draft", target.cfg).cfg.num_layers == 1
+    reloaded = load_draft(tmp_path / "b" / "draft", target.cfg)
+    assert reloaded.cfg.num_layers == 1
+    answer_tokens = {t for r in _answers() for t in r["answer_ids"]}
+    assert len(reloaded.draft_vocab) == 60 and set(reloaded.draft_vocab.tolist()) <= answer_tokens

@@ -55,8 +55,9 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 def block_logits(draft: DFlashDraft, target: TargetModel, batch: Batch,
                  features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft logits at block positions 1..B-1 of every anchor [sum A, B-1, V] (float32), and the
-    labels [sum A, B-1] (-1 past the end of a sequence)."""
+    """Draft logits at block positions 1..B-1 of every anchor [sum A, B-1, V'] (float32) over the
+    draft vocabulary (V' = V without one), and the labels [sum A, B-1] as full-vocabulary token
+    ids (-1 past the end of a sequence)."""
     cfg = draft.cfg
     b, a = cfg.block_size, cfg.attn
     lengths = [len(t) for t in batch.tokens]
@@ -79,21 +80,39 @@ def block_logits(draft: DFlashDraft, target: TargetModel, batch: Batch,
         attend = partial(_attend, ctx_k, ctx_v, lengths, batch.anchors, masks, b)
         x = layer(x, cos_sin, kv_w, kv_b, draft.k_norm[i], attend)
     hidden = rms_norm(x, draft.norm, a.rms_norm_eps).view(-1, b, a.hidden_size)[:, 1:]
-    logits = F.linear(hidden.to(target.output_embedding.dtype), target.output_embedding)
-    return logits.float(), labels
+    head = target.output_embedding if draft.draft_vocab is None else \
+        target.output_embedding[draft.draft_vocab]
+    return F.linear(hidden.to(head.dtype), head).float(), labels
+
+
+def predictions(draft: DFlashDraft, logits: torch.Tensor) -> torch.Tensor:
+    """Greedy draft tokens (full-vocabulary ids) from `block_logits` logits."""
+    best = logits.argmax(-1)
+    return best if draft.draft_vocab is None else draft.draft_vocab[best]
+
+
+def _vocab_labels(draft: DFlashDraft, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Labels as indices into the draft vocabulary; -1 where outside it (or past the end)."""
+    if draft.draft_vocab is None:
+        return labels
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[draft.draft_vocab] = torch.arange(len(draft.draft_vocab))
+    return torch.where(labels >= 0, index[labels.clamp(min=0)], -1)
 
 
 def draft_loss(draft: DFlashDraft, target: TargetModel, batch: Batch, features: torch.Tensor,
                gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted loss, correct predictions per block position [B-1], labels per position [B-1])."""
     logits, labels = block_logits(draft, target, batch, features)
-    valid = labels >= 0
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(),
+    targets = _vocab_labels(draft, labels, target.cfg.vocab_size)
+    learnable = targets >= 0   # tokens outside the draft vocabulary cannot be proposed
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten(),
                          reduction="none").view(labels.shape)
-    weights = position_weights(draft.cfg.block_size, gamma)[None] * valid
-    loss = (ce * weights).sum() / weights.sum()
-    correct = ((logits.argmax(-1) == labels) & valid).sum(0)
-    return loss, correct, valid.sum(0)
+    weights = position_weights(draft.cfg.block_size, gamma)[None] * learnable
+    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+    valid = labels >= 0
+    correct = (predictions(draft, logits) == labels) & valid
+    return loss, correct.sum(0), valid.sum(0)
 
 
 def _labels(tokens: torch.Tensor, anchors: torch.Tensor, b: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from ..models import DFlashDraft, DraftConfig, TargetModel, default_target_layer_ids
 from ..models.config import AttentionConfig
 from ..models.loader import save_draft
-from .objective import Batch, block_logits, draft_loss, sample_anchors, target_features
+from .objective import Batch, block_logits, draft_loss, predictions, sample_anchors, target_features
 
 
 @dataclass
@@ -104,7 +104,7 @@ def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> fl
         features = target_features(target, batch.tokens, draft.cfg.target_layer_ids)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logits, labels = block_logits(draft, target, batch, features)
-        hits = (logits.argmax(-1) == labels).int()
+        hits = (predictions(draft, logits) == labels).int()
         pos = start   # the block anchored at pos re-feeds the last committed token
         while pos < len(tokens) - 1:
             accepted = int(hits[pos - start].cumprod(0).sum())
