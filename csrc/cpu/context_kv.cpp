@@ -4,9 +4,9 @@
 // Precision follows dflash/reference.py step by step:
 //   * both projections are the reference's own ATen calls (at::linear in the input dtype: MKL for
 //     float32, oneDNN with AMX for bf16 where the CPU has it), so their outputs are bit-identical;
-//   * the hidden RMSNorm takes its per-row mean of squares from the same ATen reduction as the
-//     reference (the summation order fixes the float32 scale), then one vectorized pass applies
-//     scale and weight and rounds c to the dtype, so c is bit-identical too;
+//   * the hidden RMSNorm is one parallel pass that takes each row's mean of squares from the
+//     reference's own ATen reduction (the summation order fixes the float32 scale) and applies
+//     scale and weight in the reference's order, so c is bit-identical too;
 //   * everything after the K/V GEMM is ONE at::parallel_for over tokens that reads each token's
 //     GEMM row once and, for every layer, normalizes K per head in float32, applies NeoX RoPE in
 //     float32, rounds once and stores K and V straight into the caches. Only this float32 epilogue
@@ -31,6 +31,10 @@ namespace {
 
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
+
+// Elements of work a thread must get before a pass goes parallel: waking pool threads costs tens
+// of microseconds (far more on a busy machine), so small N runs on the calling thread.
+constexpr int64_t kMinWorkPerThread = 1 << 18;
 
 // ---------------------------------------------------------------------------------------------
 // Validation: the checks of dflash/checks.py (context_kv_meta, then context_kv_values), in the
@@ -158,37 +162,38 @@ void load_row(const T* src, float* dst, int64_t n) {
   }
 }
 
-// c = dtype(float(x) * inv_rms[row] * weight), the reference's elementwise order, so with the
-// reference's inv_rms the result is bit-identical.
+// c = dtype(rms_norm(x) * weight) for a row-major x [N, H], as ONE parallel pass over rows.
+// Each block of rows takes mean(x^2) from the reference's own ATen ops: ATen reduces every row of
+// a row-major tensor the same way whatever the number of rows, so the float32 scale rounds as in
+// the reference. Scale and weight are then applied in the reference's order, making c, and with
+// it the K/V GEMM's output, bit-identical. Blocks of fewer than GRAIN_SIZE elements keep the
+// float32 temporaries in L2 and the nested ATen ops serial (ATen goes parallel from GRAIN_SIZE).
 template <typename T>
-void scale_rows(const at::Tensor& x, const at::Tensor& inv_rms, const at::Tensor& weight,
-                at::Tensor& c) {
+at::Tensor hidden_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t n = x.size(0), h = x.size(1);
+  const int64_t block =
+      std::max<int64_t>(1, (at::internal::GRAIN_SIZE - 1) / std::max<int64_t>(h, 1));
+  const int64_t grain = std::max<int64_t>(block, kMinWorkPerThread / std::max<int64_t>(h, 1));
+  at::Tensor c = at::empty_like(x);
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
   const T* xp = x.const_data_ptr<T>();
-  const float* rp = inv_rms.const_data_ptr<float>();
-  const float* wp = weight.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
   T* cp = c.mutable_data_ptr<T>();
-  at::parallel_for(0, n, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(h, 1)),
-                   [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(h);
-    for (int64_t t = begin; t < end; ++t) {
-      load_row(xp + t * h, row.data(), h);
-      const fVec r(rp[t]);
-      at::vec::map2([&](fVec v, fVec w) { return v * r * w; }, row.data(), row.data(), wp, h);
-      at::vec::convert(row.data(), cp + t * h, h);
+    for (int64_t first = begin; first < end; first += block) {
+      const int64_t last = std::min(end, first + block);
+      const at::Tensor inv_rms = at::rsqrt(
+          x.slice(0, first, last).to(at::kFloat).pow(2).mean(-1, /*keepdim=*/true) + eps);
+      const float* rp = inv_rms.const_data_ptr<float>();
+      for (int64_t t = first; t < last; ++t) {
+        load_row(xp + t * h, row.data(), h);
+        const fVec r(rp[t - first]);
+        at::vec::map2([&](fVec v, fVec wv) { return v * r * wv; }, row.data(), row.data(), wp, h);
+        at::vec::convert(row.data(), cp + t * h, h);
+      }
     }
   });
-}
-
-at::Tensor hidden_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  // Exactly the reference's reduction (same ops on the same tensor): its float32 rounding of
-  // mean(x^2) is what makes c, and with it both GEMMs' outputs, bit-identical to the reference.
-  const at::Tensor inv_rms =
-      at::rsqrt(x.to(at::kFloat).pow(2).mean(-1, /*keepdim=*/true) + eps).contiguous();
-  const at::Tensor xc = x.contiguous();
-  at::Tensor c = at::empty_like(xc);
-  const at::Tensor w = weight.to(at::kFloat).contiguous();
-  CKV_DISPATCH(x.scalar_type(), [&] { scale_rows<scalar_t>(xc, inv_rms, w, c); });
   return c;
 }
 
@@ -253,8 +258,8 @@ void epilogue(const at::Tensor& kv, const at::Tensor& k_norm_weight, const at::T
   const std::vector<uint8_t> store = tokens_to_store(slots, n);
   const float feps = static_cast<float>(eps);
 
-  // A token is layers * Hkv * D elements of work; batch tokens so a chunk is worth a thread.
-  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(layers * head_row, 1));
+  const int64_t grain =
+      std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(layers * head_row, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> k(head_row);
     for (int64_t t = begin; t < end; ++t) {
@@ -294,12 +299,14 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
   // The GEMMs and reductions below are internal: keep autograd out even for weights that
   // require grad.
   at::AutoDispatchBelowADInplaceOrView guard;
-  const at::Tensor x = fc_weight ? at::linear(hidden, *fc_weight) : hidden;
-  const at::Tensor c = hidden_norm(x, hidden_norm_weight, eps);
-  const at::Tensor kv = at::linear(c, kv_weight, kv_bias).contiguous();
+  // A strided `hidden` (no fc) is made row-major first; the reference reduces it in place, so
+  // there c may differ from the reference by float32 summation order.
+  const at::Tensor x = (fc_weight ? at::linear(hidden, *fc_weight) : hidden).contiguous();
   const at::Tensor wk = k_norm_weight.to(at::kFloat).contiguous();
   const at::Tensor cs = cos_sin_cache.contiguous();
   CKV_DISPATCH(hidden.scalar_type(), [&] {
+    const at::Tensor c = hidden_norm<scalar_t>(x, hidden_norm_weight, eps);
+    const at::Tensor kv = at::linear(c, kv_weight, kv_bias).contiguous();
     epilogue<scalar_t>(kv, wk, pos, cs, slots, key_caches, value_caches, eps);
   });
 }
