@@ -19,6 +19,8 @@ def rope_cache(max_pos: int, head_dim: int, theta: float = 1e6) -> torch.Tensor:
 def context_kv_inputs(n=5, d_in=48, h=32, layers=2, hkv=2, d=16, num_blocks=6, block_size=4,
                       with_fc=True, with_bias=False, dtype=torch.float32, stacked=False,
                       skip_every=0, seed=0) -> dict:
+    """Caches hold NaN; `stacked`: False = one tensor per cache, True = views of one
+    [2, L, num_blocks, ...] tensor, "block_major" = views of one [num_blocks, L, 2, ...] tensor."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     rows = layers * 2 * hkv * d
@@ -26,7 +28,10 @@ def context_kv_inputs(n=5, d_in=48, h=32, layers=2, hkv=2, d=16, num_blocks=6, b
     if skip_every:
         slots[::skip_every] = -1
     cache_shape = (num_blocks, block_size, hkv, d)
-    if stacked:
+    if stacked == "block_major":   # [num_blocks, L, 2, ...]: each cache is a strided view
+        kv = torch.full((num_blocks, layers, 2, *cache_shape[1:]), float("nan"), dtype=dtype)
+        key_caches, value_caches = list(kv[:, :, 0].unbind(1)), list(kv[:, :, 1].unbind(1))
+    elif stacked:                  # [2, L, ...]: each cache is a contiguous slice
         kc, vc = torch.full((2, layers, *cache_shape), float("nan"), dtype=dtype).unbind(0)
         key_caches, value_caches = list(kc.unbind(0)), list(vc.unbind(0))
     else:
