@@ -100,7 +100,8 @@ def _train(args: argparse.Namespace) -> int:
                      block_size=args.block_size, mask_token_id=args.mask_token_id,
                      target_layer_ids=ids, total_steps=args.steps, lr=args.lr,
                      seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
-                     seed=args.seed, draft_vocab_size=args.draft_vocab_size)
+                     seed=args.seed, draft_vocab_size=args.draft_vocab_size,
+                     init_from=args.init_from)
     Trainer(llm.target, read_answers(answers), out, tc).run(max_minutes=args.max_minutes)
     print(f"draft saved to {out / 'draft'}")
     return 0
@@ -175,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="> 0: the draft proposes only the N most frequent answer tokens")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this")
+    p.add_argument("--init-from", default=None,
+                   help="start from an exported draft's weights (when OUT has no checkpoint)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("bench", help="DFlash vs target-only throughput on a prompt set")

@@ -94,3 +94,15 @@ def test_training_learns_and_resumes_exactly(tiny, tmp_path):
     assert reloaded.cfg.num_layers == 1
     answer_tokens = {t for r in _answers() for t in r["answer_ids"]}
     assert len(reloaded.draft_vocab) == 60 and set(reloaded.draft_vocab.tolist()) <= answer_tokens
+
+
+def test_warm_start_from_an_exported_draft(tiny, tmp_path):
+    _, target, _ = tiny
+    first = Trainer(target, _answers(), tmp_path / "a", _config())
+    first.run(stop_at=10)
+    warm = Trainer(target, _answers(), tmp_path / "b",
+                   _config(init_from=str(tmp_path / "a" / "draft")))
+    assert warm.step == 0
+    for p, q in zip(first.draft.parameters(), warm.draft.parameters()):
+        torch.testing.assert_close(p.to(torch.bfloat16).float(), q)   # exported in bf16
+    assert torch.equal(warm.draft.draft_vocab, first.draft.draft_vocab)

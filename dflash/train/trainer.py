@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..models import DFlashDraft, DraftConfig, TargetModel, default_target_layer_ids
 from ..models.config import AttentionConfig
-from ..models.loader import save_draft
+from ..models.loader import load_draft, save_draft
 from .objective import Batch, block_logits, draft_loss, predictions, sample_anchors, target_features
 
 
@@ -41,6 +41,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     heldout: int = 16                          # answers kept out of training for tau estimates
     draft_vocab_size: int = 0                  # > 0: export the most frequent answer tokens
+    init_from: str | None = None               # start from this draft's weights (no checkpoint)
     checkpoint_every: int = 50
     eval_every: int = 250
     seed: int = 0
@@ -136,6 +137,8 @@ class Trainer:
     def _resume(self) -> None:
         path = self.out / "checkpoint.pt"
         if not path.exists():
+            if self.tc.init_from:
+                self._warm_start(self.tc.init_from)
             return
         state = torch.load(path, weights_only=False)
         saved = state["config"]
@@ -149,6 +152,17 @@ class Trainer:
         self.step, self.elapsed, self.log = state["step"], state["elapsed"], state["log"]
         self.order = state["order"]
         self.generator.set_state(state["generator"])
+
+    def _warm_start(self, directory) -> None:
+        """Weights (and draft vocabulary) of an exported draft with the same configuration."""
+        source = load_draft(directory, self.target.cfg, dtype=torch.float32)
+        if source.cfg != self.cfg:
+            raise ValueError(f"{directory} has config {source.cfg}, expected {self.cfg}")
+        with torch.no_grad():
+            for mine, theirs in zip(self.draft.parameters(), source.parameters()):
+                mine.copy_(theirs)
+        if source.draft_vocab is not None:
+            self.draft.draft_vocab = source.draft_vocab
 
     def save(self) -> None:
         state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
