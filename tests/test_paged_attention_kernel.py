@@ -78,8 +78,8 @@ def test_exhaustive_case_matrix(head_dim, group, block_size, context, query_len,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hq, hkv, head_dim, prompt", [
-    (9, 3, 64, 300),      # SmolLM2-135M: many query tiles of 21 rows
-    (32, 8, 128, 70),     # Qwen3-8B: query tiles of 8 rows
+    (9, 3, 64, 300),      # SmolLM2-135M: query tiles of 42 rows (128 query vectors)
+    (32, 8, 128, 70),     # Qwen3-8B: query tiles of 32 rows
 ])
 def test_long_prompts_span_many_query_tiles(hq, hkv, head_dim, prompt, causal, dtype):
     """Prefill (no context) and chunked prefill (a context, then a long chunk of new tokens)."""

@@ -42,8 +42,9 @@ constexpr int kScoreRows = kAcc / kScoreVecs;
 // and O rows of one row block (64 measured no faster).
 constexpr int64_t kKeyTile = 32;
 static_assert(kKeyTile % (kScoreVecs * kV) == 0);
-// Query vectors per work item: enough rows to amortize converting each K/V tile to float32.
-constexpr int64_t kQueryVectors = 64;
+// Query vectors per work item: enough rows to amortize converting each K/V tile to float32 (long
+// prompts: 128 measured 15% faster than 64; the draft's 16 x group rows fit in one item anyway).
+constexpr int64_t kQueryVectors = 128;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kRescale = 8.f;  // see softmax_row
 constexpr int kAllLanes = (1 << kV) - 1;
