@@ -7,7 +7,8 @@ Table 1 (`paged_attention`) is the issue's grid: the Qwen3-8B DFlash draft shape
 D = 128, 16 non-causal block queries per sequence), batch 1 and 8, context 512 / 2048 / 8192,
 bf16 and fp32, with the kernel's achieved K/V read rate next to this machine's copy bandwidth.
 Table 2 (`paged_attention_target`) covers the causal uses by the target model: prefill of a long
-prompt, decode and verify.
+prompt, decode and verify. On a shared machine, `--threads 1` gives the steadier comparison:
+two-thread runs of both sides suffer whenever another process takes one of the cores.
 """
 
 from __future__ import annotations
