@@ -1,0 +1,441 @@
+// CPU kernel for dflash::paged_attention (SPEC 3.2): flash-style attention of each sequence's new
+// tokens over its paged context plus the new tokens, causal or not, from one code path.
+//
+// Work item = (sequence, kv head, tile of query rows). All query heads of the kv head's GQA group
+// are processed together as the rows of one [m = rows * group, D] float32 matrix, so every K/V row
+// is read (and converted to float32) once per item. Keys stream through in tiles of kKeyTile,
+// and each block of rows of that matrix goes through
+//   scores S = Q K^T (register-blocked micro-kernel over a transposed float32 K tile),
+//   online softmax in float32 (a per-row reference point and partial sums, see softmax_row),
+//   O += P V (register-blocked micro-kernel over the float32 V tile).
+// Inputs are converted to float32 on load, everything accumulates in float32, and the output is
+// rounded once to the input dtype.
+// Causal items stop at the last key their last row can see; only the tiles that cross the
+// diagonal are masked. Items are handed out dynamically, largest first, so ragged batches and
+// causal prefill tiles balance over the threads.
+#include "common.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/cpu/vec/functional.h>
+
+#define PA_CHECK(cond, ...) DFLASH_CHECK(cond, "paged_attention", __VA_ARGS__)
+
+namespace dflash::paged_attention {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kV = Vec::size();
+// Vector registers: 32 with AVX-512, 16 with AVX2 (and the scalar build, where it hardly matters).
+constexpr int kRegisters = kV == 16 ? 32 : 16;
+constexpr int kAcc = kRegisters * 3 / 4;  // accumulators a micro-kernel may hold
+// Score micro-kernel: kScoreRows query rows x kScoreVecs vectors of keys.
+constexpr int kScoreVecs = 2;
+constexpr int kScoreRows = kAcc / kScoreVecs;
+// Keys per tile: the float32 K and V tiles (2 x 16 KiB at D = 128) stay in L1 next to the Q, S
+// and O rows of one row block (64 measured no faster).
+constexpr int64_t kKeyTile = 32;
+static_assert(kKeyTile % (kScoreVecs * kV) == 0);
+// Query vectors per work item: enough rows to amortize converting each K/V tile to float32 (long
+// prompts: 128 measured 15% faster than 64; the draft's 16 x group rows fit in one item anyway).
+constexpr int64_t kQueryVectors = 128;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kRescale = 8.f;  // see softmax_row
+constexpr int kAllLanes = (1 << kV) - 1;
+
+int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// f(Int<R>{}, first_row) over rows [0, rows) in blocks of R; the remainder with smaller blocks, so
+// every block size is a compile-time constant and its accumulators stay in registers.
+template <int R, typename F>
+void for_row_blocks(int64_t rows, F&& f, int64_t first = 0) {
+  for (; first + R <= rows; first += R) f(Int<R>{}, first);
+  if constexpr (R > 1) {
+    if (first < rows) for_row_blocks<R - 1>(rows, f, first);
+  }
+}
+
+template <typename T>
+void prefetch(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+template <typename T>
+void to_float(const T* src, float* dst, int64_t n, float scale = 1.f) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + kV <= n; i += kV) (Vec::loadu(src + i) * Vec(scale)).store(dst + i);
+  } else {
+    for (; i + kV <= n; i += kV) {
+      Vec x;
+      at::vec::load_to_float(src + i, x);
+      (x * Vec(scale)).store(dst + i);
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+// s[R][kKeyTile] = q[R][d] . kt[d][kKeyTile] for the columns [0, cols).
+template <int R>
+void score_block(const float* q, int64_t ldq, const float* kt, int64_t d, int64_t cols, float* s) {
+  for (int64_t c = 0; c < cols; c += kScoreVecs * kV) {
+    Vec acc[R][kScoreVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kScoreVecs; ++v) acc[r][v] = Vec(0.f);
+    for (int64_t i = 0; i < d; ++i) {
+      Vec k[kScoreVecs];
+      for (int v = 0; v < kScoreVecs; ++v) k[v] = Vec::loadu(kt + i * kKeyTile + c + v * kV);
+      for (int r = 0; r < R; ++r) {
+        const Vec qb(q[r * ldq + i]);
+        for (int v = 0; v < kScoreVecs; ++v) acc[r][v] = at::vec::fmadd(qb, k[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kScoreVecs; ++v) acc[r][v].store(s + r * kKeyTile + c + v * kV);
+  }
+}
+
+// o[R][W vectors] += p[R][keys] . v[keys][W vectors].
+template <int R, int W>
+void pv_block(const float* p, const float* v, int64_t ldv, int64_t keys, float* o, int64_t ldo) {
+  Vec acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = Vec::loadu(o + r * ldo + w * kV);
+  for (int64_t k = 0; k < keys; ++k) {
+    Vec pb[R];
+    for (int r = 0; r < R; ++r) pb[r] = Vec(p[r * kKeyTile + k]);
+    for (int w = 0; w < W; ++w) {
+      const Vec x = Vec::loadu(v + k * ldv + w * kV);
+      for (int r = 0; r < R; ++r) acc[r][w] = at::vec::fmadd(pb[r], x, acc[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w].store(o + r * ldo + w * kV);
+}
+
+// Rows per P.V block of W vectors: R * W accumulators, R broadcasts of P and one V vector must
+// fit the registers. (W = 8 with 3 rows fits too but measured at half the speed of W = 4.)
+constexpr int pv_rows(int w) { return std::min(8, (kRegisters - 1) / (w + 1)); }
+
+// o[rows][ldo] += p[rows][keys] . v[keys][ldo]; ldo is a multiple of kV.
+void pv(const float* p, const float* v, int64_t keys, float* o, int64_t rows, int64_t ldo) {
+  int64_t col = 0;
+  auto columns = [&](auto width) {
+    constexpr int W = decltype(width)::value;
+    for (; col + W * kV <= ldo; col += W * kV) {
+      for_row_blocks<pv_rows(W)>(rows, [&](auto r, int64_t row) {
+        pv_block<decltype(r)::value, W>(p + row * kKeyTile, v + col, ldo, keys,
+                                        o + row * ldo + col, ldo);
+      });
+    }
+  };
+  columns(Int<4>{});
+  columns(Int<2>{});
+  columns(Int<1>{});
+}
+
+// Online softmax of one row of a key tile: s[0, visible) holds scores and becomes P = exp(s - ref)
+// (zero beyond `visible`, up to `cols`). The reference point `ref` only moves, rescaling the row's
+// output `o` and its kV partial sums, when a score exceeds it by kRescale: softmax is
+// shift-invariant, P stays below e^kRescale, and most tiles need no horizontal reduction.
+void softmax_row(float* s, int64_t visible, int64_t cols, float& ref, float* sum, float* o,
+                 int64_t ldo) {
+  if (visible <= 0) {  // a causal row that sees none of this tile
+    std::fill(s, s + cols, 0.f);
+    return;
+  }
+  std::fill(s + visible, s + cols, kNegInf);
+  Vec vmax(kNegInf);
+  for (int64_t k = 0; k < cols; k += kV) vmax = at::vec::maximum(vmax, Vec::loadu(s + k));
+  if ((vmax > Vec(ref + kRescale)).zero_mask() != kAllLanes) {  // ref is -inf on the first tile
+    const float new_ref = at::vec::vec_reduce_all<float>(
+        [](Vec x, Vec y) { return at::vec::maximum(x, y); }, vmax);
+    const Vec alpha(std::exp(ref - new_ref));
+    for (int64_t c = 0; c < ldo; c += kV) (Vec::loadu(o + c) * alpha).store(o + c);
+    (Vec::loadu(sum) * alpha).store(sum);
+    ref = new_ref;
+  }
+  Vec vsum = Vec::loadu(sum);
+  for (int64_t k = 0; k < cols; k += kV) {
+    const Vec e = (Vec::loadu(s + k) - Vec(ref)).exp_u20();
+    e.store(s + k);
+    vsum = vsum + e;
+  }
+  vsum.store(sum);
+}
+
+template <typename T>
+struct Args {
+  const T *query, *key, *value, *key_cache, *value_cache;
+  T* out;
+  const int32_t *block_table, *context_lens, *cu;
+  int64_t head_dim, padded_dim, group, hkv, max_blocks, block_size;
+  int64_t kc_stride[3], vc_stride[3];  // block, slot, head (the last dim is contiguous)
+  float scale;
+  bool causal;
+};
+
+struct Item {
+  int64_t seq, head, row_begin, row_end, cost;
+};
+
+// Per-thread float32 scratch for one work item.
+struct Scratch {
+  std::vector<float> q, o, s, k, kt, v, row_ref, row_sum;  // row_sum: kV partial sums per row
+  Scratch(int64_t m, int64_t d, int64_t dp)
+      : q(m * d), o(m * dp), s(m * kKeyTile), k(kKeyTile * dp), kt(d * kKeyTile),
+        v(kKeyTile * dp), row_ref(m), row_sum(m * kV) {}
+};
+
+template <typename T>
+void run_item(const Args<T>& a, const Item& it, Scratch& w) {
+  const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
+  const int64_t start = a.cu[it.seq], n = a.cu[it.seq + 1] - start;
+  const int64_t ctx = a.context_lens[it.seq];
+  const int32_t* table = a.block_table + it.seq * a.max_blocks;
+  const int64_t rows = it.row_end - it.row_begin, m = rows * g;
+  // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
+  // adjacent in memory, so each query row contributes one contiguous [g * d] run.
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t token = start + it.row_begin + i;
+    to_float(a.query + (token * a.hkv + h) * g * d, w.q.data() + i * g * d, g * d, a.scale);
+  }
+  std::fill(w.o.begin(), w.o.begin() + m * dp, 0.f);
+  std::fill(w.row_ref.begin(), w.row_ref.begin() + m, kNegInf);
+  std::fill(w.row_sum.begin(), w.row_sum.begin() + m * kV, 0.f);
+
+  // K/V rows of keys [j0, j0 + count): the context through the block table, then the new tokens.
+  using Rows = std::array<const T*, kKeyTile>;
+  auto tile_rows = [&](int64_t j0, int64_t count, Rows& krows, Rows& vrows) {
+    int64_t blk = ctx > j0 ? j0 / a.block_size : 0, slot = ctx > j0 ? j0 % a.block_size : 0;
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t j = j0 + t;
+      if (j < ctx) {
+        krows[t] = a.key_cache + table[blk] * a.kc_stride[0] + slot * a.kc_stride[1] +
+                   h * a.kc_stride[2];
+        vrows[t] = a.value_cache + table[blk] * a.vc_stride[0] + slot * a.vc_stride[1] +
+                   h * a.vc_stride[2];
+        if (++slot == a.block_size) slot = 0, ++blk;
+      } else {
+        krows[t] = a.key + ((start + j - ctx) * a.hkv + h) * d;
+        vrows[t] = a.value + ((start + j - ctx) * a.hkv + h) * d;
+      }
+    }
+  };
+  // Keys [0, total) are visible to at least one row; row i sees keys [0, visible(i)).
+  const int64_t total = ctx + (a.causal ? it.row_end : n);
+  Rows krows, vrows, next_krows, next_vrows;
+  tile_rows(0, std::min(kKeyTile, total), krows, vrows);
+  for (int64_t j0 = 0; j0 < total; j0 += kKeyTile) {
+    const int64_t keys = std::min(kKeyTile, total - j0);
+    // One head's context rows are scattered (a row every Hkv * D elements, blocks in table order),
+    // which the hardware prefetcher does not follow: ask for the next tile while this one runs.
+    const int64_t next = std::min(kKeyTile, total - j0 - keys);
+    tile_rows(j0 + keys, next, next_krows, next_vrows);
+    for (int64_t t = 0; t < next; ++t) {
+      prefetch(next_krows[t], d);
+      prefetch(next_vrows[t], d);
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+      to_float(krows[t], w.k.data() + t * dp, d);
+      to_float(vrows[t], w.v.data() + t * dp, d);
+    }
+    std::swap(krows, next_krows);
+    std::swap(vrows, next_vrows);
+    at::vec::transpose_mxn<float>(w.k.data(), dp, w.kt.data(), kKeyTile, keys, d);
+    const int64_t cols = round_up(keys, kScoreVecs * kV);
+    // Row blocks go through scores, softmax and P.V in turn, so the K and V tiles stay in L1 and
+    // each block's rows of Q, S and O are touched while hot.
+    const int64_t vcols = round_up(keys, kV);
+    for_row_blocks<kScoreRows>(m, [&](auto block, int64_t row) {
+      constexpr int R = decltype(block)::value;
+      score_block<R>(w.q.data() + row * d, d, w.kt.data(), d, cols, w.s.data() + row * kKeyTile);
+      for (int64_t r = row; r < row + R; ++r) {
+        const int64_t visible =
+            a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
+        softmax_row(w.s.data() + r * kKeyTile, visible, vcols, w.row_ref[r],
+                    w.row_sum.data() + r * kV, w.o.data() + r * dp, dp);
+      }
+      pv(w.s.data() + row * kKeyTile, w.v.data(), keys, w.o.data() + row * dp, R, dp);
+    });
+  }
+  // Every row sees at least key 0, so row_sum > 0: one rounding to T, nearest-even.
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t token = start + it.row_begin + r / g;
+    T* out = a.out + (token * a.hkv + h) * g * d + (r % g) * d;
+    const float inv = 1.f / at::vec::vec_reduce_all<float>(
+        [](Vec x, Vec y) { return x + y; }, Vec::loadu(w.row_sum.data() + r * kV));
+    const float* o = w.o.data() + r * dp;
+    for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(o[c] * inv);
+  }
+}
+
+template <typename T>
+void run(const Args<T>& a, int64_t batch) {
+  const int64_t rows_per_item = std::max<int64_t>(1, kQueryVectors / a.group);
+  std::vector<Item> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = a.cu[b + 1] - a.cu[b], ctx = a.context_lens[b];
+    for (int64_t r0 = 0; r0 < n; r0 += rows_per_item) {
+      const int64_t r1 = std::min(n, r0 + rows_per_item);
+      const int64_t cost = (r1 - r0) * (ctx + (a.causal ? r1 : n));
+      for (int64_t h = 0; h < a.hkv; ++h) items.push_back({b, h, r0, r1, cost});
+    }
+  }
+  if (items.empty()) return;
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  const int64_t m = rows_per_item * a.group;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch(m, a.head_dim, a.padded_dim);
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++)
+      run_item(a, items[i], scratch);
+  });
+}
+
+// ----------------------------------------------------------------------------------- checks
+// Same rules, order and messages as dflash/checks.py (paged_attention section).
+
+std::string dtypes_str(std::initializer_list<at::ScalarType> dtypes) {
+  std::string s;
+  for (auto t : dtypes) s += (s.empty() ? "" : " or ") + dtype_str(t);
+  return s;
+}
+
+// `t` has one of `dtypes`, rank `dim`, sizes `shape` (-1 = any), device `device`.
+void check_tensor(const at::Tensor& t, const char* name,
+                  std::initializer_list<at::ScalarType> dtypes, int64_t dim,
+                  std::vector<int64_t> shape = {}, std::optional<at::Device> device = {}) {
+  PA_CHECK(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(), name,
+           " has dtype ", dtype_str(t.scalar_type()), ", expected ", dtypes_str(dtypes));
+  PA_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
+  for (size_t i = 0; i < shape.size(); ++i) {
+    PA_CHECK(shape[i] < 0 || t.size(i) == shape[i], name, " has shape ", shape_str(t),
+             ", expected size ", shape[i], " in dim ", i);
+  }
+  if (device) PA_CHECK(t.device() == *device, name, " is on ", t.device(), ", expected ", *device);
+}
+
+std::string python_float(double x) {
+  if (std::isnan(x)) return "nan";
+  return x > 0 ? "inf" : "-inf";
+}
+
+void check_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& block_table, const at::Tensor& context_lens,
+                const at::Tensor& cu_query_lens, double scale) {
+  check_tensor(query, "query", {at::kFloat, at::kBFloat16, at::kHalf}, 3);
+  const auto dtype = query.scalar_type();
+  const auto dev = query.device();
+  const int64_t tq = query.size(0), hq = query.size(1), d = query.size(2);
+  check_tensor(key, "key", {dtype}, 3, {tq, -1, d}, dev);
+  const int64_t hkv = key.size(1);
+  check_tensor(value, "value", {dtype}, 3, {tq, hkv, d}, dev);
+  PA_CHECK(hkv > 0 && hq % hkv == 0, "query heads ", hq, " must be a multiple of kv heads ", hkv);
+  check_tensor(key_cache, "key_cache", {dtype}, 4, {-1, -1, hkv, d}, dev);
+  check_tensor(value_cache, "value_cache", {dtype}, 4, key_cache.sizes().vec(), dev);
+  check_tensor(block_table, "block_table", {at::kInt}, 2, {}, dev);
+  const int64_t b = block_table.size(0);
+  check_tensor(context_lens, "context_lens", {at::kInt}, 1, {b}, dev);
+  check_tensor(cu_query_lens, "cu_query_lens", {at::kInt}, 1, {b + 1}, dev);
+  PA_CHECK(std::isfinite(scale), "scale must be finite, got ", python_float(scale));
+}
+
+void check_values(int64_t tq, int64_t num_blocks, int64_t block_size, const at::Tensor& table,
+                  const int32_t* context_lens, const int32_t* cu) {
+  const int64_t batch = table.size(0), max_blocks = table.size(1);
+  const int32_t* bt = table.data_ptr<int32_t>();
+  PA_CHECK(cu[0] == 0, "cu_query_lens must start at 0, got ", cu[0]);
+  PA_CHECK(cu[batch] == tq, "cu_query_lens must end at the ", tq, " query rows, got ", cu[batch]);
+  for (int64_t b = 0; b < batch; ++b) {
+    PA_CHECK(cu[b] <= cu[b + 1], "cu_query_lens is not monotone at sequence ", b, ": ", cu[b],
+             " > ", cu[b + 1]);
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t ctx = context_lens[b];
+    PA_CHECK(0 <= ctx && ctx <= max_blocks * block_size, "context_lens[", b, "] = ", ctx,
+             " is out of range: the block table covers ", max_blocks, " blocks x ", block_size,
+             " tokens");
+    const int64_t used = block_size > 0 ? (ctx + block_size - 1) / block_size : 0;
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = bt[b * max_blocks + j];
+      PA_CHECK(0 <= blk && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk,
+               " is out of range for ", num_blocks, " cache blocks");
+    }
+  }
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_table,
+                               const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
+                               double scale, bool causal) {
+  check_meta(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
+             scale);
+  const auto table = block_table.contiguous();
+  const auto ctx = context_lens.contiguous();
+  const auto cu = cu_query_lens.contiguous();
+  check_values(query.size(0), key_cache.size(0), key_cache.size(1), table,
+               ctx.data_ptr<int32_t>(), cu.data_ptr<int32_t>());
+
+  auto out = at::empty_like(query, at::MemoryFormat::Contiguous);
+  if (out.numel() == 0) return out;
+  // The caches are read in place through their strides (per-layer views of a stacked cache need
+  // no copy); only their last dim must be contiguous.
+  const auto kc = key_cache.stride(3) == 1 ? key_cache : key_cache.contiguous();
+  const auto vc = value_cache.stride(3) == 1 ? value_cache : value_cache.contiguous();
+  const auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
+  const auto launch = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    Args<scalar_t> a{};
+    a.query = q.data_ptr<scalar_t>();
+    a.key = k.data_ptr<scalar_t>();
+    a.value = v.data_ptr<scalar_t>();
+    a.key_cache = kc.data_ptr<scalar_t>();
+    a.value_cache = vc.data_ptr<scalar_t>();
+    a.out = out.data_ptr<scalar_t>();
+    a.block_table = table.data_ptr<int32_t>();
+    a.context_lens = ctx.data_ptr<int32_t>();
+    a.cu = cu.data_ptr<int32_t>();
+    a.head_dim = query.size(2);
+    a.padded_dim = round_up(a.head_dim, kV);
+    a.hkv = key.size(1);
+    a.group = query.size(1) / a.hkv;
+    a.max_blocks = table.size(1);
+    a.block_size = kc.size(1);
+    for (int i = 0; i < 3; ++i) {
+      a.kc_stride[i] = kc.stride(i);
+      a.vc_stride[i] = vc.stride(i);
+    }
+    a.scale = static_cast<float>(scale);
+    a.causal = causal;
+    run(a, table.size(0));
+  };
+  switch (query.scalar_type()) {  // check_meta admitted only these
+    case at::kFloat: launch(float{}); break;
+    case at::kBFloat16: launch(c10::BFloat16{}); break;
+    default: launch(c10::Half{}); break;
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace dflash::paged_attention
+
+TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+  m.impl("paged_attention", &dflash::paged_attention::paged_attention_cpu);
+}
