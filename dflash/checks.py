@@ -146,7 +146,7 @@ def paged_attention_values(query, key_cache, block_table, context_lens, cu_query
         require(0 <= ctx <= max_blocks * block_size, op,
                 f"context_lens[{b}] = {ctx} is out of range: the block table covers "
                 f"{max_blocks} blocks x {block_size} tokens")
-        used = block_table[b, : (ctx + block_size - 1) // block_size]
+        used = block_table[b, : -(-ctx // block_size) if ctx else 0]   # block_size may be 0
         bad = ((used < 0) | (used >= num_blocks)).nonzero()
         if len(bad):
             j = int(bad[0])
