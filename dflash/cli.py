@@ -50,11 +50,15 @@ def _stream(llm, prompt_count: int):
     return on_tokens
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks for the target (spawned from this process; "
+                        "N must divide its KV heads)")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine import LLM
 
-    llm = LLM(resolve_target(args.target), resolve_draft(args), dtype=args.dtype,
-              max_num_seqs=args.max_num_seqs)
     prompts = list(args.prompt)
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -62,6 +66,12 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("dflash generate: give a prompt or --prompts-file", file=sys.stderr)
         return 2
+    with LLM(resolve_target(args.target), resolve_draft(args), dtype=args.dtype,
+             max_num_seqs=args.max_num_seqs, tp_size=args.tp) as llm:
+        return _generate_with(llm, prompts, args)
+
+
+def _generate_with(llm, prompts: list[str], args: argparse.Namespace) -> int:
     if args.chat:
         prompts = [llm.chat_prompt(p) for p in prompts]
     outputs = llm.generate(prompts, _sampling_params(args), use_tqdm=len(prompts) > 1,
@@ -149,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--max-num-seqs", type=int, default=8)
+    add_parallel_args(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("train", help="train a DFlash draft on the target's own answers "

@@ -11,6 +11,7 @@ import torch
 from .. import sampling
 from ..models import load_draft, load_target, load_tokenizer
 from ..sampling import SamplingParams
+from . import distributed
 from .cache import BlockAllocator
 from .request import Request, RequestMetrics, RequestOutput
 from .worker import Worker
@@ -36,22 +37,45 @@ class LLM:
             free, so running requests never run out: the others wait.
         draft_sampling: "greedy" (argmax drafts, one-hot proposals) or "sample" (drafts sampled
             from the draft's processed distribution, dense proposals).
+        tp_size: tensor-parallel ranks for the target (`dflash.engine.distributed`): this process
+            is rank 0 and spawns the others (on CPU they share the cores; on an accelerator rank
+            r uses device r). Must divide num_key_value_heads (and intermediate_size /
+            num_experts). Release them with `close()` (or use the LLM as a context manager).
+        tp_timeout: seconds a tensor-parallel collective waits for the other ranks before the
+            run fails.
     """
 
     def __init__(self, target, draft=None, dtype: str | torch.dtype = "bfloat16",
                  device: str = "cpu", max_num_seqs: int = 8, block_size: int | None = None,
                  kv_block_size: int = 16, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, draft_sampling: str = "greedy",
-                 cp_size: int = 1, tokenizer=None):
+                 cp_size: int = 1, tokenizer=None, tp_size: int = 1, tp_timeout: float = 300.0):
         if cp_size != 1:
             raise ValueError(f"context parallelism (cp_size={cp_size}) is not supported; "
                              "use cp_size=1")
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         if torch_dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-        self.target = load_target(target, torch_dtype, device)
+        self._group = None if tp_size == 1 else \
+            distributed.Group(tp_size, target, draft, torch_dtype, device, tp_timeout)
+        try:
+            self._init(target, draft, torch_dtype, device, max_num_seqs, block_size,
+                       kv_block_size, max_model_len, num_kv_blocks, draft_sampling, tokenizer)
+        except BaseException:
+            if self._group is not None:
+                self._group.close(kill=True)
+            raise
+
+    def _init(self, target, draft, torch_dtype, device, max_num_seqs, block_size, kv_block_size,
+              max_model_len, num_kv_blocks, draft_sampling, tokenizer):
+        tp = None if self._group is None else self._group.tp
+        if tp is not None:
+            device = self._group.device
+        self.target = load_target(target, torch_dtype, device, tp)
         self.draft = None if draft is None else load_draft(draft, self.target.cfg, torch_dtype,
                                                            device)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
@@ -69,8 +93,9 @@ class LLM:
         blocks_per_seq = -(-(self.max_model_len + block_size) // kv_block_size)
         self.allocator = BlockAllocator(num_kv_blocks or max_num_seqs * blocks_per_seq,
                                         kv_block_size)
-        self.worker = Worker(self.target, self.draft, self.allocator.num_blocks, kv_block_size,
-                             block_size, draft_sampling)
+        worker_args = (self.target, self.draft, self.allocator.num_blocks, kv_block_size,
+                       block_size, draft_sampling)
+        self.worker = Worker(*worker_args) if tp is None else self._group.worker(*worker_args)
         self.stop_ids = set(self.target.cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.stop_ids.add(self.tokenizer.eos_token_id)
@@ -231,6 +256,18 @@ class LLM:
 
     def reset_metrics(self) -> None:
         self._totals, self._elapsed = [], 0.0
+
+    # ------------------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do without tensor parallelism)."""
+        if self._group is not None:
+            self._group.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _progress(total: int):

@@ -46,9 +46,8 @@ class Worker:
             draft.kv_cache_shape(num_kv_blocks, kv_block_size), dtype=dtype, device=self.device)
         self.capture = () if draft is None else draft.cfg.target_layer_ids
         vocab = None if draft is None else draft.draft_vocab
-        # the rows of the lm_head the draft may propose (all of them without a draft vocabulary)
-        self.draft_head = target.output_embedding if vocab is None else \
-            target.output_embedding[vocab].contiguous()
+        # the rows of the lm_head the draft may propose (None: all of them, via target.logits)
+        self.draft_head = None if vocab is None else target.output_rows(vocab)
         self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
         self.prefill_seconds = 0.0   # time spent in prefill (benchmarks report it separately)
@@ -90,10 +89,11 @@ class Worker:
     def run_decode_draft(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [Bs, B-1] (argmax, or sampled with dense probabilities [Bs, B-1, V])."""
         bs, b = len(inputs.requests), inputs.block_size
-        hidden = self.draft(torch.nn.functional.embedding(inputs.tokens, self.target.embed),
+        hidden = self.draft(self.target.embed_tokens(inputs.tokens),
                             inputs.meta, self.draft_cache)
         # all B rows go through the lm_head: the BLAS is much slower for B-1 rows than for B
-        logits = torch.nn.functional.linear(hidden, self.draft_head).view(bs, b, -1)[:, 1:]
+        logits = (self.target.logits(hidden) if self.draft_head is None else
+                  torch.nn.functional.linear(hidden, self.draft_head)).view(bs, b, -1)[:, 1:]
         if self.draft_sampling == "greedy":
             drafts = logits.argmax(-1)
             return (drafts if self.draft_vocab is None else self.draft_vocab[drafts]), None

@@ -3,6 +3,8 @@
 Each model declares a recipe: for every parameter, the checkpoint tensors (with their expected
 shapes) it is assembled from. All sources are resolved only after every shard has been indexed, so
 fused weights (q|k|v, gate|up, the draft's layer-major K/V) can mix tensors from different shards.
+A source also says how tensor parallelism splits it (`parallel`): a rank slices each checkpoint
+tensor before the concatenation and reads only its own part.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from .config import ConfigError, DraftConfig, TargetConfig
 from .draft import DFlashDraft
+from .parallel import COLS, EXPERTS, RANK0, ROWS, VOCAB, TensorParallel, check_config
 from .target import TargetModel
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"   # optional, dflash-specific; other loaders ignore it
@@ -28,10 +31,12 @@ class CheckpointError(ValueError):
 @dataclass
 class Source:
     """Parameter = tensors cat'ed along dim 0; with `group` > 0, each run of `group` tensors is
-    cat'ed and the results stacked (experts, per-layer norms)."""
+    cat'ed and the results stacked (experts, per-layer norms). `shard`: the tensor-parallel split
+    (a `parallel` constant; None = replicated)."""
 
     tensors: list[tuple[str, tuple[int, ...]]]
     group: int = 0
+    shard: str | None = None
 
 
 # --------------------------------------------------------------------------------- recipes
@@ -41,17 +46,17 @@ def _layer_attention(r, ours, hf, a, q_rows, kv_rows, qkv_bias, o_bias, qk_norm,
     q, k, v = (f"{hf}self_attn.{n}_proj" for n in "qkv")
     if fused_kv:
         r[f"{ours}qkv"] = Source([(f"{q}.weight", (q_rows, h)), (f"{k}.weight", (kv_rows, h)),
-                                  (f"{v}.weight", (kv_rows, h))])
+                                  (f"{v}.weight", (kv_rows, h))], shard=ROWS)
         if qkv_bias:
             r[f"{ours}qkv_bias"] = Source([(f"{q}.bias", (q_rows,)), (f"{k}.bias", (kv_rows,)),
-                                           (f"{v}.bias", (kv_rows,))])
+                                           (f"{v}.bias", (kv_rows,))], shard=ROWS)
     else:
-        r[f"{ours}q"] = Source([(f"{q}.weight", (q_rows, h))])
+        r[f"{ours}q"] = Source([(f"{q}.weight", (q_rows, h))], shard=ROWS)
         if qkv_bias:
-            r[f"{ours}q_bias"] = Source([(f"{q}.bias", (q_rows,))])
-    r[f"{ours}o"] = Source([(f"{hf}self_attn.o_proj.weight", (h, q_rows))])
+            r[f"{ours}q_bias"] = Source([(f"{q}.bias", (q_rows,))], shard=ROWS)
+    r[f"{ours}o"] = Source([(f"{hf}self_attn.o_proj.weight", (h, q_rows))], shard=COLS)
     if o_bias:
-        r[f"{ours}o_bias"] = Source([(f"{hf}self_attn.o_proj.bias", (h,))])
+        r[f"{ours}o_bias"] = Source([(f"{hf}self_attn.o_proj.bias", (h,))], shard=RANK0)
     if qk_norm:
         r[f"{ours}q_norm"] = Source([(f"{hf}self_attn.q_norm.weight", (a.head_dim,))])
         if fused_kv:
@@ -63,18 +68,18 @@ def _norms_and_mlp(r, ours, hf, h, inter, mlp_ours):
     r[f"{ours}post_norm"] = Source([(f"{hf}post_attention_layernorm.weight", (h,))])
     if inter:
         r[f"{mlp_ours}gate_up"] = Source([(f"{hf}mlp.gate_proj.weight", (inter, h)),
-                                          (f"{hf}mlp.up_proj.weight", (inter, h))])
-        r[f"{mlp_ours}down"] = Source([(f"{hf}mlp.down_proj.weight", (h, inter))])
+                                          (f"{hf}mlp.up_proj.weight", (inter, h))], shard=ROWS)
+        r[f"{mlp_ours}down"] = Source([(f"{hf}mlp.down_proj.weight", (h, inter))], shard=COLS)
 
 
 def target_recipe(cfg: TargetConfig) -> dict[str, Source]:
     a = cfg.attn
     h, v = a.hidden_size, cfg.vocab_size
     q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    r = {"embed": Source([("model.embed_tokens.weight", (v, h))]),
+    r = {"embed": Source([("model.embed_tokens.weight", (v, h))], shard=VOCAB),
          "norm": Source([("model.norm.weight", (h,))])}
     if not cfg.tie_word_embeddings:
-        r["lm_head"] = Source([("lm_head.weight", (v, h))])
+        r["lm_head"] = Source([("lm_head.weight", (v, h))], shard=VOCAB)
     for i in range(cfg.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         _layer_attention(r, f"{ours}attn.", hf, a, q_rows, kv_rows, cfg.qkv_bias,
@@ -86,8 +91,10 @@ def target_recipe(cfg: TargetConfig) -> dict[str, Source]:
             ex = [f"{hf}mlp.experts.{j}." for j in range(e)]
             r[f"{ours}mlp.router"] = Source([(f"{hf}mlp.gate.weight", (e, h))])
             r[f"{ours}mlp.gate_up"] = Source(
-                [(f"{x}{p}_proj.weight", (inter, h)) for x in ex for p in ("gate", "up")], 2)
-            r[f"{ours}mlp.down"] = Source([(f"{x}down_proj.weight", (h, inter)) for x in ex], 1)
+                [(f"{x}{p}_proj.weight", (inter, h)) for x in ex for p in ("gate", "up")], 2,
+                EXPERTS)
+            r[f"{ours}mlp.down"] = Source([(f"{x}down_proj.weight", (h, inter)) for x in ex], 1,
+                                          EXPERTS)
     return r
 
 
@@ -147,6 +154,10 @@ class SafetensorsCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def lazy(self, name: str):
+        """The tensor unread: slicing it reads only the slice."""
+        return self._where[name].get_slice(name)
+
 
 class DictCheckpoint:
     def __init__(self, tensors: dict[str, torch.Tensor]):
@@ -161,10 +172,13 @@ class DictCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    lazy = get
+
 
 def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str,
-             dtype: torch.dtype, device: torch.device) -> None:
-    """Fill every placeholder parameter of `model` from the checkpoint, checking names/shapes."""
+             dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> None:
+    """Fill every placeholder parameter of `model` from the checkpoint, checking names/shapes;
+    with `tp`, each parameter is this rank's shard."""
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert set(expected) == set(recipe), sorted(set(expected) ^ set(recipe))
     for src in recipe.values():   # validate everything before reading anything
@@ -176,7 +190,11 @@ def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str
                                       f"{list(ckpt.shape(name))}, expected {list(shape)}")
     state = {}
     for ours, src in recipe.items():
-        parts = [ckpt.get(name).to(device=device, dtype=dtype) for name, _ in src.tensors]
+        if tp is None:
+            parts = [ckpt.get(name) for name, _ in src.tensors]
+        else:
+            parts = [tp.shard(src.shard, ckpt.lazy(name), shape) for name, shape in _held(src, tp)]
+        parts = [part.to(device=device, dtype=dtype) for part in parts]
         if src.group:
             parts = [torch.cat(parts[i:i + src.group]) for i in range(0, len(parts), src.group)]
             value = torch.stack(parts)
@@ -189,6 +207,14 @@ def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str
         *parent, leaf = name.split(".")
         module = model.get_submodule(".".join(parent)) if parent else model
         setattr(module, leaf, buf.to(device))
+
+
+def _held(src: Source, tp: TensorParallel) -> list[tuple[str, tuple[int, ...]]]:
+    """The source tensors rank `tp` reads: all of them, or under an EXPERTS split its experts'."""
+    if src.shard != EXPERTS:
+        return src.tensors
+    experts = tp.experts(len(src.tensors) // src.group)
+    return src.tensors[experts.start * src.group:experts.stop * src.group]
 
 
 # ------------------------------------------------------------------------------------ GGUF
@@ -290,9 +316,10 @@ def _resolve(path) -> Path:
     return path
 
 
-def load_target(path, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = "cpu") -> TargetModel:
-    """A target model from a Hugging Face directory or a GGUF file (dequantized on load)."""
+def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                tp: TensorParallel | None = None) -> TargetModel:
+    """A target model from a Hugging Face directory or a GGUF file (dequantized on load); with
+    `tp`, only this rank's tensor-parallel shard is read."""
     path = _resolve(path)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
@@ -300,10 +327,12 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16,
     else:
         cfg_dict, ckpt = read_config(path), None
     cfg = TargetConfig.from_hf(cfg_dict)
+    if tp is not None:
+        check_config(cfg, tp.size)
     if ckpt is None:
         ckpt = SafetensorsCheckpoint(path)
-    model = TargetModel(cfg)
-    assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device))
+    model = TargetModel(cfg, tp)
+    assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device), tp)
     return model.eval()
 
 

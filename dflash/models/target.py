@@ -3,6 +3,10 @@
 One compact implementation, gpt-fast style. Attention runs through `dflash.ops.paged_attention`
 (causal), so prefill, decode and block verification are the same code path. The forward can
 capture the residual stream after chosen layers (the DFlash draft's context features).
+
+With a `TensorParallel` (tp) the model holds one rank's shard (see `parallel`): its own heads and
+KV heads, intermediate rows, experts and vocabulary rows; the residual stream stays replicated.
+tp=None is the single-process model, with no collective calls at all.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from torch import nn
 from .. import ops
 from .config import TargetConfig
 from .layers import AttentionMetadata, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
+from .parallel import TensorParallel
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -21,17 +26,22 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
 
 
+def _ranks(tp: TensorParallel | None) -> int:
+    return 1 if tp is None else tp.size
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
         super().__init__()
         a = cfg.attn
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.eps = a.rms_norm_eps
-        self.qkv = _param((a.num_heads + 2 * a.num_kv_heads) * a.head_dim, a.hidden_size)
+        n = _ranks(tp)
+        self.num_heads, self.num_kv_heads = a.num_heads // n, a.num_kv_heads // n
+        self.head_dim, self.eps, self.tp = a.head_dim, a.rms_norm_eps, tp
+        self.qkv = _param((self.num_heads + 2 * self.num_kv_heads) * a.head_dim, a.hidden_size)
         self.qkv_bias = _param(self.qkv.shape[0]) if cfg.qkv_bias else None
         self.q_norm = _param(a.head_dim) if cfg.qk_norm else None
         self.k_norm = _param(a.head_dim) if cfg.qk_norm else None
-        self.o = _param(a.hidden_size, a.num_heads * a.head_dim)
+        self.o = _param(a.hidden_size, self.num_heads * a.head_dim)
         self.o_bias = _param(a.hidden_size) if a.attention_bias else None
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, key_cache, value_cache):
@@ -51,29 +61,36 @@ class Attention(nn.Module):
         # the new tokens' K/V join the cache after attention (they were passed directly)
         key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        return F.linear(out.view(t, -1), self.o, self.o_bias)
+        out = F.linear(out.view(t, -1), self.o, self.o_bias)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel | None = None):
         super().__init__()
+        intermediate //= _ranks(tp)
         self.gate_up = _param(2 * intermediate, hidden)
         self.down = _param(hidden, intermediate)
+        self.tp = tp
 
     def forward(self, x):
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        out = F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MoE(nn.Module):
-    """Top-k routed experts; each expert runs only on the tokens routed to it."""
+    """Top-k routed experts; each expert runs only on the tokens routed to it. Under tensor
+    parallelism each rank holds a run of the experts and the partial outputs are summed."""
 
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.attn.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.local = range(e) if tp is None else tp.experts(e)
         self.router = _param(e, h)
-        self.gate_up = _param(e, 2 * i, h)
-        self.down = _param(e, h, i)
+        self.gate_up = _param(len(self.local), 2 * i, h)
+        self.down = _param(len(self.local), h, i)
+        self.tp = tp
 
     def forward(self, x):
         probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
@@ -88,24 +105,26 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
-            if count:
+            if count and expert in self.local:
                 rows, pair = tokens[start:start + count], order[start:start + count]
-                h = F.linear(silu_and_mul(F.linear(x[rows], self.gate_up[expert])),
-                             self.down[expert])
+                held = expert - self.local.start
+                h = F.linear(silu_and_mul(F.linear(x[rows], self.gate_up[held])),
+                             self.down[held])
                 out.index_add_(0, rows, h * weights[pair, None])
             start += count
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer: int):
+    def __init__(self, cfg: TargetConfig, layer: int, tp: TensorParallel | None = None):
         super().__init__()
         h = cfg.attn.hidden_size
         self.eps = cfg.attn.rms_norm_eps
         self.input_norm = _param(h)
         self.post_norm = _param(h)
-        self.attn = Attention(cfg)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(h, cfg.intermediate_size)
+        self.attn = Attention(cfg, tp)
+        self.mlp = MoE(cfg, tp) if cfg.is_moe_layer(layer) else \
+            MLP(h, cfg.intermediate_size, tp)
 
     def forward(self, x, cos_sin, meta, key_cache, value_cache):
         x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos_sin, meta, key_cache,
@@ -114,14 +133,15 @@ class DecoderLayer(nn.Module):
 
 
 class TargetModel(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         h = cfg.attn.hidden_size
-        self.embed = _param(cfg.vocab_size, h)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        vocab = cfg.vocab_size if tp is None else tp.vocab_shard_rows(cfg.vocab_size)
+        self.embed = _param(vocab, h)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = _param(h)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, h)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, h)
         self.register_buffer("cos_sin", rope_cos_sin(cfg.attn, cfg.attn.max_position_embeddings),
                              persistent=False)
 
@@ -130,9 +150,13 @@ class TargetModel(nn.Module):
         return self.embed if self.lm_head is None else self.lm_head
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """[layers, 2 (K, V), num_blocks, block_size, Hkv, D]."""
-        a = self.cfg.attn
-        return (self.cfg.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        """[layers, 2 (K, V), num_blocks, block_size, Hkv (this rank's), D]."""
+        attn = self.layers[0].attn
+        return (self.cfg.num_layers, 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed) if self.tp is None else \
+            self.tp.embedding(ids, self.embed)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,7 +165,7 @@ class TargetModel(nn.Module):
         The features are the residual streams after each layer in `capture_layers`, concatenated
         in that order: [T, len(capture_layers) * H].
         """
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         cos_sin = self.cos_sin[meta.positions]
         captured = {}
         for i, layer in enumerate(self.layers):
@@ -152,4 +176,11 @@ class TargetModel(nn.Module):
         return rms_norm(x, self.norm, self.cfg.attn.rms_norm_eps), features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_embedding)
+        """Full-vocabulary logits [T, V] (on every rank)."""
+        logits = F.linear(hidden, self.output_embedding)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.cfg.vocab_size)
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the lm_head, e.g. a draft vocabulary's output embedding [len(ids), H]."""
+        head = self.output_embedding
+        return head[ids].contiguous() if self.tp is None else self.tp.embedding(ids, head)

@@ -1,0 +1,189 @@
+"""Tensor parallelism: each rank's shard of the checkpoint, and TP=2 runs (two processes, gloo,
+CPU, float32) against TP=1 of the same engine; a rank that dies or hangs fails the run."""
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from dflash import LLM, SamplingParams
+from dflash.cli import main
+from dflash.models import ConfigError, load_target
+from dflash.models.parallel import TensorParallel
+from dflash.testing import make_tiny_draft, make_tiny_target
+
+PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([5, 12, 3, 20])]
+# the MoE target also has an odd vocabulary (a zero-padded last shard), tied embeddings and a
+# draft vocabulary (its lm_head rows are gathered from both ranks)
+MOE = dict(vocab_size=95, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """TP=2 gives each of its two processes one of the two cores; the TP=1 references get one
+    too (many tiny GEMMs on two OpenMP threads crawl when other jobs share the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    make_tiny_target(root / "qwen3", "qwen3")
+    make_tiny_draft(root / "qwen3-draft", root / "qwen3", block_size=8)
+    make_tiny_target(root / "qwen3_moe", "qwen3_moe", **MOE)
+    make_tiny_draft(root / "qwen3_moe-draft", root / "qwen3_moe", block_size=8,
+                    mask_token_id=94)
+    (root / "qwen3_moe-draft" / "draft_vocab.json").write_text(
+        json.dumps({"token_ids": list(range(0, 95, 2))}))
+    return {k: (root / k, root / f"{k}-draft") for k in ("qwen3", "qwen3_moe")}
+
+
+def _llm(target, draft, **kw):
+    return LLM(target, draft, dtype="float32", max_num_seqs=3, draft_sampling="sample", **kw)
+
+
+# ------------------------------------------------------------------ shards (no processes)
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_rank_shards_reassemble_the_checkpoint(tmp_path, kind):
+    make_tiny_target(tmp_path, kind, **(MOE if kind == "qwen3_moe" else {}))
+    full = dict(load_target(tmp_path, torch.float32).named_parameters())
+    ranks = [dict(load_target(tmp_path, torch.float32, tp=TensorParallel(r, 2))
+                  .named_parameters()) for r in range(2)]
+    q, kv = 4 * 16 // 2, 2 * 16 // 2   # rows per rank: heads (of 4) and kv heads (of 2) x D 16
+    for name, value in full.items():
+        parts = [r[name] for r in ranks]
+        if name in ("embed", "lm_head"):     # vocabulary rows, the last shard zero-padded
+            rows = torch.cat(parts)
+            torch.testing.assert_close(rows[:value.shape[0]], value, rtol=0, atol=0)
+            assert not rows[value.shape[0]:].any()
+        elif name.endswith("attn.qkv"):      # [q | k | v] of each rank's heads
+            pieces = [p.split([q, kv, kv]) for p in parts]
+            rebuilt = torch.cat([torch.cat([p[i] for p in pieces]) for i in range(3)])
+            torch.testing.assert_close(rebuilt, value, rtol=0, atol=0)
+        elif name.endswith(("attn.o", "mlp.down")) and value.dim() == 2:   # input columns
+            torch.testing.assert_close(torch.cat(parts, 1), value, rtol=0, atol=0)
+        elif name.endswith("mlp.gate_up") and value.dim() == 2:   # [gate | up] rows
+            gates, ups = zip(*(p.chunk(2) for p in parts))
+            torch.testing.assert_close(torch.cat([*gates, *ups]), value, rtol=0, atol=0)
+        elif name.endswith(("mlp.gate_up", "mlp.down")):   # experts 0-3 on rank 0, 4-7 on 1
+            torch.testing.assert_close(torch.cat(parts), value, rtol=0, atol=0)
+        else:                                # norms and the router are replicated
+            for p in parts:
+                torch.testing.assert_close(p, value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind, overrides, tp, field", [
+    ("qwen3", {}, 4, "num_key_value_heads"),
+    ("qwen3", {"num_key_value_heads": 4, "intermediate_size": 130}, 4, "intermediate_size"),
+    ("qwen3_moe", {"num_key_value_heads": 4, "num_experts": 6}, 4, "num_experts"),
+])
+def test_splits_that_do_not_divide_are_named(tmp_path, kind, overrides, tp, field):
+    make_tiny_target(tmp_path, kind, **overrides)
+    with pytest.raises(ConfigError, match=f"tp_size {tp} must divide the target's {field}"):
+        load_target(tmp_path, torch.float32, tp=TensorParallel(0, tp))
+
+
+def test_bad_parallel_sizes_are_rejected_before_spawning(models):
+    target, draft = models["qwen3"]
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1"):
+        LLM(target, draft, tp_size=0)
+    with pytest.raises(ValueError, match="context parallelism"):
+        LLM(target, draft, cp_size=2, tp_size=2)
+
+
+# ------------------------------------------------------------------- two processes
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_tp2_generates_exactly_what_tp1_does(models, kind):
+    target, draft = models[kind]
+    greedy = [SamplingParams(max_tokens=12 + 6 * i) for i in range(len(PROMPTS))]
+    sampled = SamplingParams(temperature=1.5, max_tokens=24, seed=11)
+    tp1 = _llm(target, draft)
+    expected = [[o.token_ids for o in tp1.generate(PROMPTS, p)] for p in (greedy, sampled)]
+    with _llm(target, draft, tp_size=2, tp_timeout=60) as llm:
+        got = [[o.token_ids for o in llm.generate(PROMPTS, p)] for p in (greedy, sampled)]
+        assert got == expected
+        # same draws on rank 0, and the ranks' caches followed them: the same acceptance
+        m1, m2 = tp1.metrics(), llm.metrics()
+        assert m2["num_accepted_tokens"] == m1["num_accepted_tokens"] > 0
+        assert m2["accepted_per_position"] == m1["accepted_per_position"]
+        assert llm.allocator.num_free == llm.allocator.num_blocks
+        with pytest.raises(RuntimeError, match="already initialized"):
+            _llm(target, draft, tp_size=2)
+        llm.proposer = lambda inputs: None
+        with pytest.raises(ValueError, match="proposer is not supported"):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
+        llm.proposer = None   # the group is still usable
+        assert llm.generate(PROMPTS, greedy)[2].token_ids == expected[0][2]
+
+
+def test_cli_generate_tp2(models, tmp_path, capsys):
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    target, draft = models["qwen3"]
+    word_level = Tokenizer(tok_models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="w0").save_pretrained(target)
+    prompt = "w5 w17 w3 w40 w8"
+    expected = LLM(target, draft, dtype="float32").generate(
+        prompt, SamplingParams(max_tokens=16))[0].text
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--dtype",
+                 "float32", "--max-tokens", "16", "--tp", "2", prompt]) == 0
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+
+def _fail_follower_mid_run(signal_number, **kw):
+    """Generate with TP=2 and send `signal_number` to rank 1 once tokens flow; returns the
+    error raised (within 60 s) and the stopped LLM."""
+    llm = LLM(kw.pop("target"), dtype="float32", tp_size=2, **kw)
+    follower = llm._group.procs[0]
+    result = {}
+
+    def run():
+        def on_tokens(index, tokens):
+            if follower.is_alive():
+                os.kill(follower.pid, signal_number)
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=40), on_tokens=on_tokens)
+        except Exception as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the run hung"
+    return result.get("error"), llm
+
+
+def test_a_killed_rank_fails_the_run_at_once(models):
+    error, llm = _fail_follower_mid_run(signal.SIGKILL, target=models["qwen3"][0],
+                                        tp_timeout=300)
+    assert isinstance(error, RuntimeError)
+    assert "tensor-parallel run failed" in str(error) and \
+        "rank 1 was killed by signal 9" in str(error)
+    with pytest.raises(RuntimeError, match="group is stopped"):
+        llm.generate(PROMPTS[0])
+
+
+def test_a_hung_rank_fails_the_run_after_the_timeout(models):
+    error, llm = _fail_follower_mid_run(signal.SIGSTOP, target=models["qwen3"][0],
+                                        tp_timeout=3)
+    assert isinstance(error, RuntimeError)
+    assert "Timed out" in str(error) and "rank 1 was still running" in str(error)
+    assert not llm._group.procs[0].is_alive()
+
+
+def test_a_rank_that_raises_reports_its_traceback(models):
+    llm = LLM(models["qwen3"][0], dtype="float32", tp_size=2, tp_timeout=60)
+    llm._group.send(("step", [None]))   # a command no follower can replay
+    with pytest.raises(RuntimeError, match=r"rank 1 raised:\n.*Traceback(.|\n)*TypeError"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
