@@ -66,17 +66,21 @@ def accepted_length_histogram(metrics: dict) -> list[int]:
 
 
 def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int], max_tokens: int,
-        temperature: float, block_size: int | None, dtype: str, out_dir, seed: int = 0) -> list:
+        temperature: float, block_size: int | None, dtype: str, out_dir, seed: int = 0,
+        tp_size: int = 1) -> list:
     prompts_text = load_dataset(dataset, num_prompts)
-    spec = LLM(target, draft, dtype=dtype, block_size=block_size, max_num_seqs=max(concurrencies))
-    base = LLM(target, dtype=dtype, max_num_seqs=max(concurrencies))
-    prompts = [spec.chat_prompt(p) for p in prompts_text]
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
-              for i in range(len(prompts))]
+    results = {}
+    # one engine at a time: a tensor-parallel engine owns the process group while it lives
+    for name, draft_dir in (("dflash", draft), ("target_only", None)):
+        with LLM(target, draft_dir, dtype=dtype, block_size=block_size if draft_dir else None,
+                 max_num_seqs=max(concurrencies), tp_size=tp_size) as llm:
+            prompts = [llm.chat_prompt(p) for p in prompts_text]
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                     seed=seed + i) for i in range(len(prompts))]
+            results[name] = [_run(llm, prompts, params, c) for c in concurrencies]
     rows = []
-    for c in concurrencies:
-        fast, m, wall, prefill = _run(spec, prompts, params, c)
-        slow, mb, wall_b, prefill_b = _run(base, prompts, params, c)
+    for c, (fast, m, wall, prefill), (slow, mb, wall_b, prefill_b) in zip(
+            concurrencies, results["dflash"], results["target_only"]):
         decode_tok_s = m["generated_tokens"] / max(wall - prefill, 1e-9)
         base_decode = mb["generated_tokens"] / max(wall_b - prefill_b, 1e-9)
         row = {

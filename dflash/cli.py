@@ -122,7 +122,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     bench.run(resolve_target(args.target), resolve_draft(args), args.dataset, args.num_prompts,
               [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.temperature,
-              args.block_size, args.dtype, args.out)
+              args.block_size, args.dtype, args.out, tp_size=args.tp)
     return 0
 
 
@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
+    add_parallel_args(p)
     p.set_defaults(func=_bench, no_draft=False)
 
     p = sub.add_parser("demo", help="the bundled SmolLM2 pair on GSM8K-style questions: "
