@@ -1,5 +1,5 @@
 """paged_attention: the C++ kernel vs the PyTorch composition (gather the context from the paged
-cache + scaled_dot_product_attention), measured in the same run.
+cache + scaled_dot_product_attention) and `torch.compile` of that composition, in the same run.
 
     PYTHONPATH=. python bench/bench_paged_attention.py [--quick] [--threads N]
 
@@ -49,22 +49,28 @@ def composition(query, key, value, key_cache, value_cache, block_table, context_
     return out.transpose(1, 2).reshape(query.shape)
 
 
+COMPILED = torch.compile(composition, dynamic=False)
+
+
 def measure(batch, context, queries, hq, hkv, d, dtype, causal, block_size=16):
     args = paged_attention_inputs(context_lens=(context,) * batch, query_lens=(queries,) * batch,
                                   hq=hq, hkv=hkv, d=d, block_size=block_size, extra_blocks=0,
                                   causal=causal, dtype=dtype)
     tol = 2e-2 if dtype != torch.float32 else 1e-4
-    torch.testing.assert_close(torch.ops.dflash.paged_attention(**args), composition(**args),
-                               atol=tol, rtol=tol)
-    # Alternate the two in short rounds and keep each one's best round, so load from other
-    # processes on the machine hits both alike.
-    rounds = [(timeit(lambda: torch.ops.dflash.paged_attention(**args), min_time=0.2),
-               timeit(lambda: composition(**args), min_time=0.2)) for _ in range(3)]
-    kernel, baseline = (min(times) for times in zip(*rounds))
+    kernel = torch.ops.dflash.paged_attention(**args)
+    for fn in (composition, COMPILED):
+        torch.testing.assert_close(kernel, fn(**args), atol=tol, rtol=tol)
+    # Alternate the three in short rounds and keep each one's best round, so load from other
+    # processes on the machine hits them alike.
+    fns = (lambda: torch.ops.dflash.paged_attention(**args), lambda: composition(**args),
+           lambda: COMPILED(**args))
+    rounds = [[timeit(fn, min_time=0.2) for fn in fns] for _ in range(3)]
+    kernel, baseline, compiled = (min(times) for times in zip(*rounds))
     kv_bytes = 2 * batch * context * hkv * d * args["key"].element_size()
     return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "context": context,
             "queries": queries, "kernel ms": kernel * 1e3, "composition ms": baseline * 1e3,
-            "speedup": baseline / kernel, "K/V GB/s": kv_bytes / kernel / 1e9}
+            "compile ms": compiled * 1e3, "speedup": baseline / kernel,
+            "vs compile": compiled / kernel, "K/V GB/s": kv_bytes / kernel / 1e9}
 
 
 def main() -> None:
@@ -93,7 +99,8 @@ def main() -> None:
                 rows.append(row)
                 print(row, flush=True)
     write("paged_attention" + suffix, rows, ["dtype", "batch", "context", "kernel ms",
-                                             "composition ms", "speedup", "K/V GB/s", "of copy"])
+                                             "composition ms", "compile ms", "speedup",
+                                             "vs compile", "K/V GB/s", "of copy"])
 
     target = []
     shapes = {"SmolLM2 (9/3/64)": (9, 3, 64), "Qwen3-8B (32/8/128)": (32, 8, 128)}
@@ -105,7 +112,7 @@ def main() -> None:
             print(target[-1], flush=True)
     write("paged_attention_target" + suffix, target,
           ["model", "use", "dtype", "batch", "context", "queries", "kernel ms", "composition ms",
-           "speedup"])
+           "compile ms", "speedup", "vs compile"])
 
 
 if __name__ == "__main__":

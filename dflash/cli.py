@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 DEFAULT_TARGET = "smollm2"
@@ -13,6 +14,12 @@ def resolve_target(name: str):
     from . import assets
 
     return assets.smollm2_target() if name == DEFAULT_TARGET else name
+
+
+def _target_name(name: str) -> str:
+    from pathlib import Path
+
+    return "SmolLM2-135M-Instruct" if name == DEFAULT_TARGET else Path(name).name
 
 
 def resolve_draft(args: argparse.Namespace):
@@ -89,6 +96,10 @@ def _generate_with(llm, prompts: list[str], args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+
+
 def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -105,14 +116,17 @@ def _train(args: argparse.Namespace) -> int:
                      chunk=args.gen_batch * 2)
     if args.only_data:
         return 0
-    ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    ids = _int_list(args.target_layer_ids)
     tc = TrainConfig(num_layers=args.layers, intermediate_size=args.intermediate_size,
                      block_size=args.block_size, mask_token_id=args.mask_token_id,
                      target_layer_ids=ids, total_steps=args.steps, lr=args.lr,
                      seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
                      seed=args.seed, draft_vocab_size=args.draft_vocab_size,
-                     init_from=args.init_from)
-    Trainer(llm.target, read_answers(answers), out, tc).run(max_minutes=args.max_minutes)
+                     init_from=args.init_from, eval_every=args.eval_every,
+                     init_from_target_layers=_int_list(args.init_from_target_layers))
+    command = shlex.join(["dflash", *sys.argv[1:]])
+    Trainer(llm.target, read_answers(answers), out, tc, target_name=_target_name(args.target),
+            command=command).run(max_minutes=args.max_minutes)
     print(f"draft saved to {out / 'draft'}")
     return 0
 
@@ -189,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this")
     p.add_argument("--init-from", default=None,
                    help="start from an exported draft's weights (when OUT has no checkpoint)")
+    p.add_argument("--init-from-target-layers", default=None,
+                   help="comma list: start draft layer i from target layer i of the list")
+    p.add_argument("--eval-every", type=int, default=250, help="steps between held-out tau")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("bench", help="DFlash vs target-only throughput on a prompt set")

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from dflash.models import load_draft, load_target
-from dflash.models.layers import build_metadata
+from dflash.models.layers import build_metadata, prefill_metadata
 from dflash.testing import make_tiny_draft, make_tiny_target
-from dflash.train import TrainConfig, Trainer, heldout_tau
+from dflash.train import TrainConfig, Trainer, heldout_tau, init_draft
+from dflash.train.features import cached_features
 from dflash.train.objective import Batch, block_logits, target_features
+from dflash.train.trainer import copy_target_layers, draft_config
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +108,58 @@ def test_warm_start_from_an_exported_draft(tiny, tmp_path):
     for p, q in zip(first.draft.parameters(), warm.draft.parameters()):
         torch.testing.assert_close(p.to(torch.bfloat16).float(), q)   # exported in bf16
     assert torch.equal(warm.draft.draft_vocab, first.draft.draft_vocab)
+
+
+def test_cached_features_equal_on_the_fly_features_and_follow_the_rows(tiny, tmp_path):
+    _, target, _ = tiny
+    rows = _answers(n=6)
+    path = tmp_path / "features.safetensors"
+    cached = cached_features(target, rows, (0, 2), path, chunk_tokens=100)   # several chunks
+    for row, got in zip(rows, cached):
+        tokens = torch.tensor(row["prompt_ids"] + row["answer_ids"])
+        torch.testing.assert_close(got, target_features(target, [tokens], (0, 2)),
+                                   atol=1e-5, rtol=1e-5)
+    stamp = path.stat().st_mtime_ns
+    cached_features(target, rows, (0, 2), path)
+    assert path.stat().st_mtime_ns == stamp               # reused
+    other = cached_features(target, rows, (1, 3), path)   # other layers: recomputed
+    assert path.stat().st_mtime_ns != stamp
+    assert not torch.equal(other[0], cached[0])
+
+
+def test_draft_layers_copied_from_the_target_compute_the_target_layers(tiny):
+    """With causal attention over its own block, a copied draft layer is the target layer."""
+    _, target, _ = tiny
+    tc = _config(num_layers=2, intermediate_size=target.cfg.intermediate_size)
+    draft = init_draft(draft_config(target, tc), target.cfg.attn.hidden_size, seed=0)
+    copy_target_layers(draft, target, [3, 1])
+    x = torch.randn(5, target.cfg.attn.hidden_size, generator=torch.Generator().manual_seed(0))
+    meta = prefill_metadata([5], 4)
+    cos_sin = target.cos_sin[meta.positions]
+    for i, index in enumerate([3, 1]):
+        cache = torch.zeros(target.kv_cache_shape(4, 4))[index]
+        expected = target.layers[index](x, cos_sin, meta, cache[0], cache[1])
+
+        def causal(q, k, v):
+            group = q.shape[1] // k.shape[1]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+                v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+
+        got = draft.layers[i](x, cos_sin, *draft.layer_kv(i), draft.k_norm[i], causal)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="names 1 layers"):
+        copy_target_layers(draft, target, [0])
+
+
+def test_exported_draft_has_a_model_card(tiny, tmp_path):
+    _, target, _ = tiny
+    trainer = Trainer(target, _answers(), tmp_path, _config(total_steps=20),
+                      target_name="tiny-qwen3", command="dflash train --out x")
+    trainer.run()
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert "tiny-qwen3" in card and "dflash train --out x" in card
+    assert f"{trainer.log[-1]['loss']:.3f}" in card
+    for entry in trainer.log:
+        assert f"| {entry['step']} |" in card and f"{entry['heldout_tau']:.3f}" in card
+    assert (tmp_path / "draft" / "training_curve.png").stat().st_size > 0

@@ -29,6 +29,8 @@
 namespace dflash::context_kv {
 namespace {
 
+constexpr const char* kOp = "context_kv";
+
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
 
@@ -43,46 +45,23 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;
 
 constexpr int64_t ANY = -1;
 
-std::string dtypes_str(const std::vector<at::ScalarType>& dtypes) {
-  std::string s;
-  for (size_t i = 0; i < dtypes.size(); ++i) s += (i ? " or " : "") + dtype_str(dtypes[i]);
-  return s;
-}
-
-// checks.tensor: dtype, rank, sizes (ANY = any size), device.
-void check_tensor(const std::string& name, const at::Tensor& t,
-                  const std::vector<at::ScalarType>& dtypes, int64_t dim,
-                  const std::vector<int64_t>& shape, const at::Device* device) {
-  CKV_CHECK(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(), name,
-            " has dtype ", dtype_str(t.scalar_type()), ", expected ", dtypes_str(dtypes));
-  CKV_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
-  for (size_t i = 0; i < shape.size(); ++i) {
-    CKV_CHECK(shape[i] == ANY || t.size(i) == shape[i], name, " has shape ", shape_str(t),
-              ", expected size ", shape[i], " in dim ", i);
-  }
-  if (device) {
-    CKV_CHECK(t.device() == *device, name, " is on ", t.device().str(), ", expected ",
-              device->str());
-  }
-}
-
 void check_meta(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
                 const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
                 const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                 const at::Tensor& slot_mapping, at::TensorList key_caches,
                 at::TensorList value_caches, double eps) {
-  check_tensor("hidden", hidden, {at::kFloat, at::kBFloat16, at::kHalf}, 2, {}, nullptr);
-  const std::vector<at::ScalarType> dtype = {hidden.scalar_type()};
+  check_tensor(kOp, "hidden", hidden, {at::kFloat, at::kBFloat16, at::kHalf}, 2, {});
+  const at::ScalarType dtype = hidden.scalar_type();
   const at::Device dev = hidden.device();
   const int64_t n = hidden.size(0), d_in = hidden.size(1);
   int64_t h = d_in;
   if (fc_weight) {
-    check_tensor("fc_weight", *fc_weight, dtype, 2, {ANY, d_in}, &dev);
+    check_tensor(kOp, "fc_weight", *fc_weight, dtype, 2, {ANY, d_in}, dev);
     h = fc_weight->size(0);
   }
-  check_tensor("hidden_norm_weight", hidden_norm_weight, dtype, 1, {h}, &dev);
-  check_tensor("k_norm_weight", k_norm_weight, dtype, 2, {}, &dev);
+  check_tensor(kOp, "hidden_norm_weight", hidden_norm_weight, dtype, 1, {h}, dev);
+  check_tensor(kOp, "k_norm_weight", k_norm_weight, dtype, 2, {}, dev);
   const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
   CKV_CHECK(d % 2 == 0, "head_dim ", d, " must be even for rotate-half RoPE");
   CKV_CHECK(static_cast<int64_t>(key_caches.size()) == layers &&
@@ -90,7 +69,7 @@ void check_meta(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
             "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ",
             key_caches.size(), " key and ", value_caches.size(), " value caches");
   CKV_CHECK(layers > 0, "k_norm_weight must describe at least one layer");
-  check_tensor("key_caches[0]", key_caches[0], dtype, 4, {}, &dev);
+  check_tensor(kOp, "key_caches[0]", key_caches[0], dtype, 4, {}, dev);
   const std::vector<int64_t> cache_shape = key_caches[0].sizes().vec();
   const int64_t hkv = cache_shape[2];
   CKV_CHECK(cache_shape[3] == d, "key_caches[0] has head_dim ", cache_shape[3],
@@ -98,19 +77,19 @@ void check_meta(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
   for (const auto& [name, caches] : {std::pair{"key_caches", key_caches},
                                      std::pair{"value_caches", value_caches}}) {
     for (size_t i = 0; i < caches.size(); ++i) {
-      check_tensor(std::string(name) + "[" + std::to_string(i) + "]", caches[i], dtype, 4,
-                   cache_shape, &dev);
+      check_tensor(kOp, std::string(name) + "[" + std::to_string(i) + "]", caches[i], dtype, 4,
+                   cache_shape, dev);
     }
   }
   const int64_t rows = layers * 2 * hkv * d;
-  check_tensor("kv_weight", kv_weight, dtype, 2, {}, &dev);
+  check_tensor(kOp, "kv_weight", kv_weight, dtype, 2, {}, dev);
   CKV_CHECK(kv_weight.size(0) == rows && kv_weight.size(1) == h, "kv_weight has shape ",
             shape_str(kv_weight), ", expected [", rows, ", ", h, "] (L=", layers, " x 2 x Hkv=",
             hkv, " x D=", d, " rows, hidden ", h, ")");
-  if (kv_bias) check_tensor("kv_bias", *kv_bias, dtype, 1, {rows}, &dev);
-  check_tensor("positions", positions, {at::kLong}, 1, {n}, &dev);
-  check_tensor("slot_mapping", slot_mapping, {at::kLong}, 1, {n}, &dev);
-  check_tensor("cos_sin_cache", cos_sin_cache, {at::kFloat}, 2, {ANY, d}, &dev);
+  if (kv_bias) check_tensor(kOp, "kv_bias", *kv_bias, dtype, 1, {rows}, dev);
+  check_tensor(kOp, "positions", positions, {at::kLong}, 1, {n}, dev);
+  check_tensor(kOp, "slot_mapping", slot_mapping, {at::kLong}, 1, {n}, dev);
+  check_tensor(kOp, "cos_sin_cache", cos_sin_cache, {at::kFloat}, 2, {ANY, d}, dev);
   CKV_CHECK(eps >= 0, "eps must be non-negative, got ", eps);
 }
 

@@ -30,6 +30,8 @@
 namespace dflash::paged_attention {
 namespace {
 
+constexpr const char* kOp = "paged_attention";
+
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kV = Vec::size();
 // Vector registers: 32 with AVX-512, 16 with AVX2 (and the scalar build, where it hardly matters).
@@ -309,26 +311,6 @@ void run(const Args<T>& a, int64_t batch) {
 // ----------------------------------------------------------------------------------- checks
 // Same rules, order and messages as dflash/checks.py (paged_attention section).
 
-std::string dtypes_str(std::initializer_list<at::ScalarType> dtypes) {
-  std::string s;
-  for (auto t : dtypes) s += (s.empty() ? "" : " or ") + dtype_str(t);
-  return s;
-}
-
-// `t` has one of `dtypes`, rank `dim`, sizes `shape` (-1 = any), device `device`.
-void check_tensor(const at::Tensor& t, const char* name,
-                  std::initializer_list<at::ScalarType> dtypes, int64_t dim,
-                  std::vector<int64_t> shape = {}, std::optional<at::Device> device = {}) {
-  PA_CHECK(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(), name,
-           " has dtype ", dtype_str(t.scalar_type()), ", expected ", dtypes_str(dtypes));
-  PA_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
-  for (size_t i = 0; i < shape.size(); ++i) {
-    PA_CHECK(shape[i] < 0 || t.size(i) == shape[i], name, " has shape ", shape_str(t),
-             ", expected size ", shape[i], " in dim ", i);
-  }
-  if (device) PA_CHECK(t.device() == *device, name, " is on ", t.device(), ", expected ", *device);
-}
-
 std::string python_float(double x) {
   if (std::isnan(x)) return "nan";
   return x > 0 ? "inf" : "-inf";
@@ -338,20 +320,20 @@ void check_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor
                 const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_table, const at::Tensor& context_lens,
                 const at::Tensor& cu_query_lens, double scale) {
-  check_tensor(query, "query", {at::kFloat, at::kBFloat16, at::kHalf}, 3);
+  check_tensor(kOp, "query", query, {at::kFloat, at::kBFloat16, at::kHalf}, 3);
   const auto dtype = query.scalar_type();
   const auto dev = query.device();
   const int64_t tq = query.size(0), hq = query.size(1), d = query.size(2);
-  check_tensor(key, "key", {dtype}, 3, {tq, -1, d}, dev);
+  check_tensor(kOp, "key", key, {dtype}, 3, {tq, -1, d}, dev);
   const int64_t hkv = key.size(1);
-  check_tensor(value, "value", {dtype}, 3, {tq, hkv, d}, dev);
+  check_tensor(kOp, "value", value, {dtype}, 3, {tq, hkv, d}, dev);
   PA_CHECK(hkv > 0 && hq % hkv == 0, "query heads ", hq, " must be a multiple of kv heads ", hkv);
-  check_tensor(key_cache, "key_cache", {dtype}, 4, {-1, -1, hkv, d}, dev);
-  check_tensor(value_cache, "value_cache", {dtype}, 4, key_cache.sizes().vec(), dev);
-  check_tensor(block_table, "block_table", {at::kInt}, 2, {}, dev);
+  check_tensor(kOp, "key_cache", key_cache, {dtype}, 4, {-1, -1, hkv, d}, dev);
+  check_tensor(kOp, "value_cache", value_cache, {dtype}, 4, key_cache.sizes(), dev);
+  check_tensor(kOp, "block_table", block_table, {at::kInt}, 2, {}, dev);
   const int64_t b = block_table.size(0);
-  check_tensor(context_lens, "context_lens", {at::kInt}, 1, {b}, dev);
-  check_tensor(cu_query_lens, "cu_query_lens", {at::kInt}, 1, {b + 1}, dev);
+  check_tensor(kOp, "context_lens", context_lens, {at::kInt}, 1, {b}, dev);
+  check_tensor(kOp, "cu_query_lens", cu_query_lens, {at::kInt}, 1, {b + 1}, dev);
   PA_CHECK(std::isfinite(scale), "scale must be finite, got ", python_float(scale));
 }
 

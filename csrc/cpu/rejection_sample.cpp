@@ -20,6 +20,8 @@
 namespace dflash::rejection_sample_cpu {
 namespace {
 
+constexpr const char* kOp = "rejection_sample";
+
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 // Rows are processed in chunks that stay in L1, so finding the first index of a chunk's maximum
@@ -59,22 +61,6 @@ std::string py_float_repr(double x) {
               : digits.substr(0, int_len) + "." + digits.substr(int_len);
   }
   return (negative ? "-" : "") + out;
-}
-
-// checks.tensor: dtype, rank, sizes (-1 = any), device, in that order.
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
-                  std::initializer_list<int64_t> sizes, const at::Device& device) {
-  RS_CHECK(t.scalar_type() == dtype, name, " has dtype ", dtype_str(t.scalar_type()),
-           ", expected ", dtype_str(dtype));
-  RS_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
-  int64_t i = 0;
-  for (int64_t want : sizes) {
-    RS_CHECK(want < 0 || t.size(i) == want, name, " has shape ", shape_str(t),
-             ", expected size ", want, " in dim ", i);
-    ++i;
-  }
-  RS_CHECK(t.device() == device, name, " is on ", t.device().str(), ", expected ",
-           device.str());
 }
 
 // ------------------------------------------------------------------------------------------
@@ -203,17 +189,17 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     const at::Tensor& exponential_) {
   // checks.rejection_sample_meta
   const int64_t any = -1;
-  check_tensor(draft_token_ids_, "draft_token_ids", at::kLong, 2, {}, draft_token_ids_.device());
+  check_tensor(kOp, "draft_token_ids", draft_token_ids_, at::kLong, 2, {}, draft_token_ids_.device());
   const at::Device device = draft_token_ids_.device();
   const int64_t bs = draft_token_ids_.size(0), k = draft_token_ids_.size(1);
-  check_tensor(target_probs_, "target_probs", at::kFloat, 3, {bs, k + 1, any}, device);
+  check_tensor(kOp, "target_probs", target_probs_, at::kFloat, 3, {bs, k + 1, any}, device);
   const int64_t v = target_probs_.size(2);
   RS_CHECK(v > 0, "target_probs has an empty vocabulary");
   const bool dense = draft_probs_.has_value();
-  if (dense) check_tensor(*draft_probs_, "draft_probs", at::kFloat, 3, {bs, k, v}, device);
-  check_tensor(is_greedy_, "is_greedy", at::kBool, 1, {bs}, device);
-  check_tensor(uniform_, "uniform", at::kFloat, 2, {bs, k}, device);
-  check_tensor(exponential_, "exponential", at::kFloat, 2, {bs, v}, device);
+  if (dense) check_tensor(kOp, "draft_probs", *draft_probs_, at::kFloat, 3, {bs, k, v}, device);
+  check_tensor(kOp, "is_greedy", is_greedy_, at::kBool, 1, {bs}, device);
+  check_tensor(kOp, "uniform", uniform_, at::kFloat, 2, {bs, k}, device);
+  check_tensor(kOp, "exponential", exponential_, at::kFloat, 2, {bs, v}, device);
 
   const at::Tensor ids_t = draft_token_ids_.contiguous(), p_t = target_probs_.contiguous(),
                    greedy_t = is_greedy_.contiguous(), u_t = uniform_.contiguous(),

@@ -31,25 +31,6 @@ inline std::string py_float(double v) {
   return s;
 }
 
-// checks.tensor: `t` has one of `dtypes`, rank `dim`, sizes `shape` (-1 = any) and `device`.
-inline void check_tensor(const char* op, const std::string& name, const at::Tensor& t,
-                         std::initializer_list<at::ScalarType> dtypes, int64_t dim,
-                         const std::vector<int64_t>& shape = {},
-                         const std::optional<at::Device>& device = std::nullopt) {
-  if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
-    std::string expected;
-    for (auto d : dtypes) expected += (expected.empty() ? "" : " or ") + dtype_str(d);
-    fail(op, name, " has dtype ", dtype_str(t.scalar_type()), ", expected ", expected);
-  }
-  if (t.dim() != dim) fail(op, name, " must be ", dim, "-D, got shape ", shape_str(t));
-  for (size_t i = 0; i < shape.size() && static_cast<int64_t>(i) < t.dim(); ++i) {
-    if (shape[i] >= 0 && t.size(i) != shape[i])
-      fail(op, name, " has shape ", shape_str(t), ", expected size ", shape[i], " in dim ", i);
-  }
-  if (device && t.device() != *device)
-    fail(op, name, " is on ", t.device(), ", expected ", *device);
-}
-
 // A kernel argument: the GM address of `t`, or nullptr for an absent optional tensor.
 inline uint8_t* gm_ptr(const at::Tensor& t) {
   return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr;

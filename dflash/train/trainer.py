@@ -20,6 +20,8 @@ from tqdm import tqdm
 from ..models import DFlashDraft, DraftConfig, TargetModel, default_target_layer_ids
 from ..models.config import AttentionConfig
 from ..models.loader import load_draft, save_draft
+from .card import write_model_card
+from .features import cached_features
 from .objective import Batch, block_logits, draft_loss, predictions, sample_anchors, target_features
 
 
@@ -42,6 +44,8 @@ class TrainConfig:
     heldout: int = 16                          # answers kept out of training for tau estimates
     draft_vocab_size: int = 0                  # > 0: export the most frequent answer tokens
     init_from: str | None = None               # start from this draft's weights (no checkpoint)
+    init_from_target_layers: list[int] | None = None   # copy these target layers into the draft
+    cache_features: bool = True                # target features computed once, kept on disk
     checkpoint_every: int = 50
     eval_every: int = 250
     seed: int = 0
@@ -74,6 +78,32 @@ def init_draft(cfg: DraftConfig, target_hidden: int, seed: int) -> DFlashDraft:
         module = draft.get_submodule(".".join(parent)) if parent else draft
         setattr(module, leaf, torch.nn.Parameter(value))
     return draft
+
+
+def copy_target_layers(draft: DFlashDraft, target: TargetModel, layers: list[int]) -> None:
+    """Start draft layer i from target layer layers[i] (same attention shapes and, when the
+    intermediate sizes agree, the same MLP): a language-model prior instead of noise."""
+    if len(layers) != draft.cfg.num_layers:
+        raise ValueError(f"init_from_target_layers names {len(layers)} layers; the draft has "
+                         f"{draft.cfg.num_layers}")
+    if target.cfg.is_moe_layer(0) or draft.cfg.intermediate_size != target.cfg.intermediate_size:
+        raise ValueError("init_from_target_layers needs a dense target with the draft's "
+                         "intermediate size")
+    q_rows = draft.layers[0].q.shape[0]
+    with torch.no_grad():
+        for i, index in enumerate(layers):
+            mine, theirs = draft.layers[i], target.layers[index]
+            qkv = theirs.attn.qkv.float()
+            mine.q.copy_(qkv[:q_rows])
+            draft.layer_kv(i)[0].copy_(qkv[q_rows:])
+            mine.o.copy_(theirs.attn.o)
+            mine.mlp.gate_up.copy_(theirs.mlp.gate_up)
+            mine.mlp.down.copy_(theirs.mlp.down)
+            mine.input_norm.copy_(theirs.input_norm)
+            mine.post_norm.copy_(theirs.post_norm)
+            if theirs.attn.q_norm is not None:   # without qk-norm the draft's norms stay at 1
+                mine.q_norm.copy_(theirs.attn.q_norm)
+                draft.k_norm[i].copy_(theirs.attn.k_norm)
 
 
 def learning_rate(tc: TrainConfig, step: int) -> float:
@@ -115,8 +145,12 @@ def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> fl
 
 
 class Trainer:
-    def __init__(self, target: TargetModel, answers: list[dict], out_dir, tc: TrainConfig):
+    def __init__(self, target: TargetModel, answers: list[dict], out_dir, tc: TrainConfig,
+                 target_name: str = "its target", command: str | None = None):
+        """`target_name` and `command` (the command line that reproduces the run) go into the
+        exported draft's model card."""
         self.target, self.tc, self.out = target, tc, Path(out_dir)
+        self.target_name, self.command = target_name, command
         self.out.mkdir(parents=True, exist_ok=True)
         usable = [r for r in answers if len(r["answer_ids"]) >= 2]
         self.heldout, self.train_rows = usable[:tc.heldout], usable[tc.heldout:]
@@ -131,6 +165,9 @@ class Trainer:
         self.step, self.elapsed, self.log = 0, 0.0, []
         self.generator = torch.Generator().manual_seed(tc.seed)
         self.order: list[int] = []
+        self.features = cached_features(target, self.train_rows, self.cfg.target_layer_ids,
+                                        self.out / "features.safetensors") \
+            if tc.cache_features else None
         self._resume()
 
     # ----------------------------------------------------------------------- checkpoints
@@ -139,6 +176,8 @@ class Trainer:
         if not path.exists():
             if self.tc.init_from:
                 self._warm_start(self.tc.init_from)
+            elif self.tc.init_from_target_layers:
+                copy_target_layers(self.draft, self.target, self.tc.init_from_target_layers)
             return
         state = torch.load(path, weights_only=False)
         saved = state["config"]
@@ -176,24 +215,28 @@ class Trainer:
                    extra_config={"dflash_training": {"step": self.step,
                                                      "elapsed_s": round(self.elapsed)}})
         (self.out / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.log))
+        write_model_card(self.out / "draft", self.tc, self.log, self.train_rows, self.heldout,
+                         self.target_name, self.command)
 
     # ---------------------------------------------------------------------------- train
-    def _next_batch(self) -> Batch:
-        tokens, anchors = [], []
+    def _next_batch(self) -> tuple[Batch, list[int]]:
+        tokens, anchors, picked = [], [], []
         for _ in range(self.tc.seqs_per_step):
             if not self.order:   # a new epoch: fresh shuffle from the saved generator
                 self.order = torch.randperm(len(self.train_rows),
                                             generator=self.generator).tolist()
-            row = self.train_rows[self.order.pop()]
+            picked.append(self.order.pop())
+            row = self.train_rows[picked[-1]]
             t = torch.tensor(row["prompt_ids"] + row["answer_ids"])
             tokens.append(t)
             anchors.append(sample_anchors(len(row["prompt_ids"]), len(t),
                                           self.tc.anchors_per_seq, self.generator))
-        return Batch(tokens, anchors)
+        return Batch(tokens, anchors), picked
 
     def train_step(self) -> dict:
-        batch = self._next_batch()
-        features = target_features(self.target, batch.tokens, self.cfg.target_layer_ids)
+        batch, picked = self._next_batch()
+        features = target_features(self.target, batch.tokens, self.cfg.target_layer_ids) \
+            if self.features is None else torch.cat([self.features[i] for i in picked])
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.tc, self.step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
