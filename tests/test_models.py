@@ -14,6 +14,7 @@ from dflash.models import (
     load_draft,
     load_target,
 )
+from dflash.models.layers import linear, pack_linear_weight
 from dflash.testing import (
     TINY_TARGETS,
     make_tiny_draft,
@@ -282,3 +283,50 @@ def test_saved_draft_round_trips_to_the_same_tensors(tmp_path, tiny_target):
     assert all(torch.equal(saved[k], original[k]) for k in original)
     assert load_draft(tmp_path / "b", target.cfg).cfg.target_layer_ids == \
         load_draft(tmp_path / "a", target.cfg).cfg.target_layer_ids
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no oneDNN bf16 GEMMs")
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+def test_packed_bf16_weights_compute_the_same_gemm(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=g).bfloat16()
+    bias = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    packed = pack_linear_weight(weight)
+    assert packed.is_mkldnn and pack_linear_weight(packed) is packed
+    expected = (x.double() @ weight.double().T + bias.double())
+    got = linear(x, packed, bias).double()
+    assert (got - expected).abs().max() <= (expected.abs() * 2**-8).max()   # bf16 output rounding
+    torch.testing.assert_close(got, F.linear(x, weight, bias).double(), atol=0.06, rtol=2**-7)
+
+
+def test_packing_is_a_noop_outside_cpu_bf16():
+    for weight in (torch.randn(8, 4), torch.randn(8, 4).half(), torch.randn(2, 8, 4).bfloat16()):
+        assert pack_linear_weight(weight) is weight
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no oneDNN bf16 GEMMs")
+def test_packed_bf16_target_decodes_like_the_unpacked_one(tmp_path):
+    """Packing changes the GEMM layout only: logits agree to bf16 rounding and the greedy tokens
+    of a decoding loop are the same."""
+    make_tiny_target(tmp_path, "qwen3")
+    plain = load_target(tmp_path, dtype=torch.bfloat16)
+    packed = load_target(tmp_path, dtype=torch.bfloat16)
+    packed.pack_weights()
+    assert packed.layers[0].attn.qkv.is_mkldnn and packed.packed_head.is_mkldnn
+    ids = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for model in (plain, packed):
+        cache, tokens = _cache(model).bfloat16(), ids.tolist()
+        hidden, _ = model(ids, sequence_metadata(0, 9, _blocks(8), BLOCK), cache)
+        logits = [model.logits(hidden[-1:])]
+        for _ in range(12):
+            tokens.append(int(logits[-1].argmax()))
+            meta = sequence_metadata(len(tokens) - 1, 1, _blocks(8), BLOCK)
+            hidden, _ = model(torch.tensor(tokens[-1:]), meta, cache)
+            logits.append(model.logits(hidden))
+        outputs.append((tokens, torch.cat(logits).float()))
+    assert outputs[0][0] == outputs[1][0]
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=0.1, rtol=0.05)

@@ -19,7 +19,7 @@ import torch
 
 from .. import sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
-from ..models.layers import build_metadata
+from ..models.layers import build_metadata, linear, pack_linear_weight
 from .request import Request
 
 
@@ -37,6 +37,7 @@ class Worker:
         if draft_sampling not in ("greedy", "sample"):
             raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
         self.target, self.draft = target, draft
+        target.pack_weights()
         self.kv_block_size, self.block_size = kv_block_size, block_size
         self.draft_sampling = draft_sampling
         dtype, self.device = target.embed.dtype, target.embed.device
@@ -47,7 +48,7 @@ class Worker:
         self.capture = () if draft is None else draft.cfg.target_layer_ids
         vocab = None if draft is None else draft.draft_vocab
         # the rows of the lm_head the draft may propose (None: all of them, via target.logits)
-        self.draft_head = None if vocab is None else target.output_rows(vocab)
+        self.draft_head = None if vocab is None else pack_linear_weight(target.output_rows(vocab))
         self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
         self.prefill_seconds = 0.0   # time spent in prefill (benchmarks report it separately)
@@ -93,7 +94,7 @@ class Worker:
                             inputs.meta, self.draft_cache)
         # all B rows go through the lm_head: the BLAS is much slower for B-1 rows than for B
         logits = (self.target.logits(hidden) if self.draft_head is None else
-                  torch.nn.functional.linear(hidden, self.draft_head)).view(bs, b, -1)[:, 1:]
+                  linear(hidden, self.draft_head)).view(bs, b, -1)[:, 1:]
         if self.draft_sampling == "greedy":
             drafts = logits.argmax(-1)
             return (drafts if self.draft_vocab is None else self.draft_vocab[drafts]), None

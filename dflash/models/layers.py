@@ -1,4 +1,4 @@
-"""Building blocks shared by the target and the draft: norms, RoPE, attention metadata."""
+"""Building blocks shared by the target and the draft: norms, RoPE, attention metadata, GEMMs."""
 
 from __future__ import annotations
 
@@ -54,6 +54,25 @@ def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> Att
         tables.append(list(range(first, first + count)))
         first += count
     return build_metadata(tables, [0] * len(lengths), lengths, kv_block_size, device)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear that also takes weights re-laid out by `pack_linear_weight`."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
+    """A bf16 CPU weight [N, K] in oneDNN's blocked layout, else the weight unchanged.
+
+    For the small row counts of decoding (1-16 rows per sequence) torch's bf16 F.linear takes a
+    slow path on CPU; the packed weight runs 1.4-2.4x faster for any row count (`rows_hint` only
+    tunes the layout) with the same rounding. Packed weights serve inference only."""
+    if weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or \
+            weight.dim() != 2 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,15 @@ from torch import nn
 
 from .. import ops
 from .config import TargetConfig
-from .layers import AttentionMetadata, apply_rope, rms_norm, rope_cos_sin, silu_and_mul
+from .layers import (
+    AttentionMetadata,
+    apply_rope,
+    linear,
+    pack_linear_weight,
+    rms_norm,
+    rope_cos_sin,
+    silu_and_mul,
+)
 from .parallel import TensorParallel
 
 
@@ -46,7 +54,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, key_cache, value_cache):
         t, dtype = x.shape[0], x.dtype
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
+        q, k, v = linear(x, self.qkv, self.qkv_bias).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
              self.num_kv_heads * self.head_dim], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -61,7 +69,7 @@ class Attention(nn.Module):
         # the new tokens' K/V join the cache after attention (they were passed directly)
         key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = F.linear(out.view(t, -1), self.o, self.o_bias)
+        out = linear(out.view(t, -1), self.o, self.o_bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -74,7 +82,7 @@ class MLP(nn.Module):
         self.tp = tp
 
     def forward(self, x):
-        out = F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        out = linear(silu_and_mul(linear(x, self.gate_up)), self.down)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -142,6 +150,7 @@ class TargetModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = _param(h)
         self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, h)
+        self.packed_head: torch.Tensor | None = None   # see pack_weights
         self.register_buffer("cos_sin", rope_cos_sin(cfg.attn, cfg.attn.max_position_embeddings),
                              persistent=False)
 
@@ -177,8 +186,25 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [T, V] (on every rank)."""
-        logits = F.linear(hidden, self.output_embedding)
+        head = self.output_embedding if self.packed_head is None else self.packed_head
+        logits = linear(hidden, head)
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.cfg.vocab_size)
+
+    def pack_weights(self) -> None:
+        """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
+        `pack_linear_weight`; a no-op off CPU or outside bf16). The embedding stays as it is for
+        lookups, so a tied lm_head gets a packed copy."""
+        def pack(module: nn.Module, name: str) -> None:
+            packed = pack_linear_weight(getattr(module, name).data)
+            module._parameters[name] = nn.Parameter(packed, requires_grad=False)
+
+        for layer in self.layers:
+            pack(layer.attn, "qkv")
+            pack(layer.attn, "o")
+            if isinstance(layer.mlp, MLP):
+                pack(layer.mlp, "gate_up")
+                pack(layer.mlp, "down")
+        self.packed_head = pack_linear_weight(self.output_embedding.data)
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the lm_head, e.g. a draft vocabulary's output embedding [len(ids), H]."""
