@@ -330,3 +330,26 @@ def test_packed_bf16_target_decodes_like_the_unpacked_one(tmp_path):
         outputs.append((tokens, torch.cat(logits).float()))
     assert outputs[0][0] == outputs[1][0]
     torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no oneDNN bf16 GEMMs")
+def test_packed_bf16_draft_computes_the_unpacked_block_forward(tmp_path):
+    make_tiny_target(tmp_path / "t", "qwen3")
+    target = load_target(tmp_path / "t", dtype=torch.bfloat16)
+    make_tiny_draft(tmp_path / "d", tmp_path / "t", num_layers=2, block_size=8)
+    plain, packed = (load_draft(tmp_path / "d", target.cfg, dtype=torch.bfloat16)
+                     for _ in range(2))
+    packed.pack_weights()
+    assert packed.layers[1].q.is_mkldnn and packed.packed_kv[1].is_mkldnn
+    g = torch.Generator().manual_seed(0)
+    n_aux = len(plain.cfg.target_layer_ids)
+    feats = torch.randn(13, n_aux * 64, generator=g).bfloat16()
+    embeds = torch.randn(8, 64, generator=g).bfloat16()
+    outputs = []
+    for draft in (plain, packed):
+        cache = torch.zeros(draft.kv_cache_shape(64, BLOCK), dtype=torch.bfloat16)
+        ctx = sequence_metadata(0, 13, _blocks(6), BLOCK)
+        draft.write_context(feats, ctx.positions, ctx.slot_mapping, cache)
+        outputs.append(draft(embeds, sequence_metadata(13, 8, _blocks(6), BLOCK), cache))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=0.05, rtol=0.02)

@@ -38,6 +38,8 @@ class Worker:
             raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {draft_sampling!r}")
         self.target, self.draft = target, draft
         target.pack_weights()
+        if draft is not None:
+            draft.pack_weights()
         self.kv_block_size, self.block_size = kv_block_size, block_size
         self.draft_sampling = draft_sampling
         dtype, self.device = target.embed.dtype, target.embed.device

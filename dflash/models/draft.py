@@ -12,12 +12,19 @@ GEMM produces the context K/V of all layers; a layer's block K/V use its slice o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
 from .config import DraftConfig
-from .layers import AttentionMetadata, apply_rope, rms_norm, rope_cos_sin
+from .layers import (
+    AttentionMetadata,
+    apply_rope,
+    linear,
+    pack_linear_weight,
+    pack_parameter,
+    rms_norm,
+    rope_cos_sin,
+)
 from .target import MLP, _param
 
 
@@ -40,12 +47,12 @@ class DraftLayer(nn.Module):
         """`attend(q, k, v)` runs attention of the block over context + block."""
         t, dtype = x.shape[0], x.dtype
         h = rms_norm(x, self.input_norm, self.eps)
-        q = F.linear(h, self.q, self.q_bias).view(t, self.num_heads, self.head_dim)
-        kv = F.linear(h, kv_weight, kv_bias)
+        q = linear(h, self.q, self.q_bias).view(t, self.num_heads, self.head_dim)
+        kv = linear(h, kv_weight, kv_bias)
         k, v = kv.view(t, 2, self.num_kv_heads, self.head_dim).unbind(1)
         q = apply_rope(rms_norm(q, self.q_norm, self.eps), cos_sin).to(dtype)
         k = apply_rope(rms_norm(k, k_norm, self.eps), cos_sin).to(dtype)
-        x = x + F.linear(attend(q, k, v).reshape(t, -1), self.o, self.o_bias)
+        x = x + linear(attend(q, k, v).reshape(t, -1), self.o, self.o_bias)
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
 
 
@@ -67,6 +74,7 @@ class DFlashDraft(nn.Module):
         # Optional draft vocabulary (token ids the draft may propose): the draft's logits then
         # cost a fraction of the full lm_head. Proposals stay valid; verification is unchanged.
         self.draft_vocab: torch.Tensor | None = None
+        self.packed_kv: list[torch.Tensor] = []   # see pack_weights
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[layers, 2 (K, V), num_blocks, block_size, Hkv, D]."""
@@ -78,6 +86,16 @@ class DFlashDraft(nn.Module):
         rows = 2 * self.cfg.attn.num_kv_heads * self.cfg.attn.head_dim
         sl = slice(layer * rows, (layer + 1) * rows)
         return self.kv_weight[sl], None if self.kv_bias is None else self.kv_bias[sl]
+
+    def pack_weights(self) -> None:
+        """Inference only: the block GEMM weights in the fast CPU layout (`pack_linear_weight`).
+        The fused kv_weight stays plain for context_kv; the block path gets packed slices."""
+        for layer in self.layers:
+            pack_parameter(layer, "q")
+            pack_parameter(layer, "o")
+            layer.mlp.pack_weights()
+        self.packed_kv = [pack_linear_weight(self.layer_kv(i)[0])
+                          for i in range(self.cfg.num_layers)]
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,
                       slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -98,5 +116,8 @@ class DFlashDraft(nn.Module):
                 return ops.paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1],
                                            meta.block_table, meta.context_lens,
                                            meta.cu_query_lens, scale, causal=False)
-            x = layer(x, cos_sin, *self.layer_kv(i), self.k_norm[i], attend)
+            kv_weight, kv_bias = self.layer_kv(i)
+            if self.packed_kv:
+                kv_weight = self.packed_kv[i]
+            x = layer(x, cos_sin, kv_weight, kv_bias, self.k_norm[i], attend)
         return rms_norm(x, self.norm, self.cfg.attn.rms_norm_eps)

@@ -75,6 +75,12 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tenso
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
 
 
+def pack_parameter(module: torch.nn.Module, name: str) -> None:
+    """Replace the weight parameter `name` of `module` by its packed form (`pack_linear_weight`)."""
+    packed = pack_linear_weight(getattr(module, name).data)
+    module._parameters[name] = torch.nn.Parameter(packed, requires_grad=False)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, rounded once to x's dtype."""
     return reference.rms_norm(x, weight, eps).to(x.dtype)

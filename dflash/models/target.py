@@ -22,6 +22,7 @@ from .layers import (
     apply_rope,
     linear,
     pack_linear_weight,
+    pack_parameter,
     rms_norm,
     rope_cos_sin,
     silu_and_mul,
@@ -80,6 +81,10 @@ class MLP(nn.Module):
         self.gate_up = _param(2 * intermediate, hidden)
         self.down = _param(hidden, intermediate)
         self.tp = tp
+
+    def pack_weights(self) -> None:
+        pack_parameter(self, "gate_up")
+        pack_parameter(self, "down")
 
     def forward(self, x):
         out = linear(silu_and_mul(linear(x, self.gate_up)), self.down)
@@ -194,16 +199,11 @@ class TargetModel(nn.Module):
         """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
         `pack_linear_weight`; a no-op off CPU or outside bf16). The embedding stays as it is for
         lookups, so a tied lm_head gets a packed copy."""
-        def pack(module: nn.Module, name: str) -> None:
-            packed = pack_linear_weight(getattr(module, name).data)
-            module._parameters[name] = nn.Parameter(packed, requires_grad=False)
-
         for layer in self.layers:
-            pack(layer.attn, "qkv")
-            pack(layer.attn, "o")
+            pack_parameter(layer.attn, "qkv")
+            pack_parameter(layer.attn, "o")
             if isinstance(layer.mlp, MLP):
-                pack(layer.mlp, "gate_up")
-                pack(layer.mlp, "down")
+                layer.mlp.pack_weights()
         self.packed_head = pack_linear_weight(self.output_embedding.data)
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
