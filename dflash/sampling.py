@@ -89,12 +89,12 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     if logits.dim() != 3 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [Bs, R, V] with Bs = {len(params)} (one row of "
                          f"params per sequence), got shape {list(logits.shape)}")
-    bs, r, v = logits.shape
-    out = torch.empty(bs, r, v, dtype=torch.float32, device=logits.device)
     greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+    if bool(greedy.all()):
+        return one_hot_argmax(logits)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     if greedy.any():
-        top = logits[greedy].argmax(-1, keepdim=True)
-        out[greedy] = torch.zeros_like(out[greedy]).scatter_(-1, top, 1.0)
+        out[greedy] = one_hot_argmax(logits[greedy])
     sampling = [p for p in params if not p.is_greedy]
     if sampling:
         col = lambda xs: torch.tensor(xs, device=logits.device)[:, None, None]  # noqa: E731
@@ -102,6 +102,19 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         x = _top_k_top_p(x, col([p.top_k for p in sampling]), col([p.top_p for p in sampling]))
         out[~greedy] = torch.softmax(x, dim=-1)
     return out
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """float32 one-hot at argmax(logits) over the last dim (first index on ties)."""
+    top = first_argmax(logits)[..., None]
+    out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return out.scatter_(-1, top, 1.0)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim, first index on ties. torch.max returns the same index and is
+    several times faster than torch.argmax for bf16 on CPU (0.6 vs 3.7 ms for 16 x 49152)."""
+    return x.max(-1).indices
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

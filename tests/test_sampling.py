@@ -192,6 +192,15 @@ def test_greedy_follows_logits_argmax_through_near_ties():
     assert out[0].tolist() == [700, 50]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_first_argmax_is_argmax_with_many_ties(dtype):
+    # values from a small set: every row has its maximum many times over a Qwen3-size vocabulary
+    x = torch.randint(0, 8, (64, 151936), generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[3, 1000:2000] = float("nan")
+    assert torch.equal(sampling.first_argmax(x), x.argmax(-1))
+    assert sampling.first_argmax(x)[3] == 1000
+
+
 # -------------------------------------------------------------------------- target_probs
 
 def _naive_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

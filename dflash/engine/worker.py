@@ -98,7 +98,7 @@ class Worker:
         logits = (self.target.logits(hidden) if self.draft_head is None else
                   linear(hidden, self.draft_head)).view(bs, b, -1)[:, 1:]
         if self.draft_sampling == "greedy":
-            drafts = logits.argmax(-1)
+            drafts = sampling.first_argmax(logits)
             return (drafts if self.draft_vocab is None else self.draft_vocab[drafts]), None
         probs = sampling.target_probs(logits, [r.params for r in inputs.requests])
         generators = [g for g in self._generators(inputs.requests) for _ in range(b - 1)]
