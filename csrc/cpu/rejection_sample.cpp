@@ -189,8 +189,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     const at::Tensor& exponential_) {
   // checks.rejection_sample_meta
   const int64_t any = -1;
-  check_tensor(kOp, "draft_token_ids", draft_token_ids_, at::kLong, 2, {}, draft_token_ids_.device());
   const at::Device device = draft_token_ids_.device();
+  check_tensor(kOp, "draft_token_ids", draft_token_ids_, at::kLong, 2, {}, device);
   const int64_t bs = draft_token_ids_.size(0), k = draft_token_ids_.size(1);
   check_tensor(kOp, "target_probs", target_probs_, at::kFloat, 3, {bs, k + 1, any}, device);
   const int64_t v = target_probs_.size(2);
