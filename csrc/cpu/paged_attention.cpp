@@ -219,43 +219,80 @@ struct Scratch {
         kt_pairs(d / 2 * kMatrixKeys), v_pairs(kMatrixKeys / 2 * d) {}
 };
 
+// The item's sequence: where its new tokens start, how many there are, its context and table.
 template <typename T>
-void run_item(const Args<T>& a, const Item& it, Scratch& w) {
-  const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
-  const int64_t start = a.cu[it.seq], n = a.cu[it.seq + 1] - start;
-  const int64_t ctx = a.context_lens[it.seq];
-  const int32_t* table = a.block_table + it.seq * a.max_blocks;
-  const int64_t rows = it.row_end - it.row_begin, m = rows * g;
-  // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
-  // adjacent in memory, so each query row contributes one contiguous [g * d] run.
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t token = start + it.row_begin + i;
-    to_float(a.query + (token * a.hkv + h) * g * d, w.q.data() + i * g * d, g * d, a.scale);
+struct ItemView {
+  int64_t start, n, ctx, rows, m;
+  const int32_t* table;
+  ItemView(const Args<T>& a, const Item& it)
+      : start(a.cu[it.seq]), n(a.cu[it.seq + 1] - a.cu[it.seq]), ctx(a.context_lens[it.seq]),
+        rows(it.row_end - it.row_begin), m((it.row_end - it.row_begin) * a.group),
+        table(a.block_table + it.seq * a.max_blocks) {}
+  // Keys [0, total) are visible to at least one row; row i sees keys [0, visible(i)).
+  int64_t total(const Args<T>& a, const Item& it) const {
+    return ctx + (a.causal ? it.row_end : n);
   }
+};
+
+// Addresses of the K/V rows of keys [j0, j0 + count) of head h: the context through the block
+// table, then the new tokens.
+template <typename T>
+void kv_rows(const Args<T>& a, const ItemView<T>& v, int64_t h, int64_t j0, int64_t count,
+             const T** krows, const T** vrows) {
+  int64_t blk = v.ctx > j0 ? j0 / a.block_size : 0, slot = v.ctx > j0 ? j0 % a.block_size : 0;
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t j = j0 + t;
+    if (j < v.ctx) {
+      krows[t] = a.key_cache + v.table[blk] * a.kc_stride[0] + slot * a.kc_stride[1] +
+                 h * a.kc_stride[2];
+      vrows[t] = a.value_cache + v.table[blk] * a.vc_stride[0] + slot * a.vc_stride[1] +
+                 h * a.vc_stride[2];
+      if (++slot == a.block_size) slot = 0, ++blk;
+    } else {
+      krows[t] = a.key + ((v.start + j - v.ctx) * a.hkv + h) * a.head_dim;
+      vrows[t] = a.value + ((v.start + j - v.ctx) * a.hkv + h) * a.head_dim;
+    }
+  }
+}
+
+// Fresh accumulators and softmax state for m rows.
+void reset_rows(Scratch& w, int64_t m, int64_t dp) {
   std::fill(w.o.begin(), w.o.begin() + m * dp, 0.f);
   std::fill(w.row_ref.begin(), w.row_ref.begin() + m, kNegInf);
   std::fill(w.row_sum.begin(), w.row_sum.begin() + m * kV, 0.f);
+}
 
-  // K/V rows of keys [j0, j0 + count): the context through the block table, then the new tokens.
+// Every row sees at least key 0, so row_sum > 0: O / sum, rounded once to T (nearest-even).
+template <typename T>
+void store_rows(const Args<T>& a, const Item& it, const ItemView<T>& v, const Scratch& w) {
+  const int64_t d = a.head_dim, g = a.group;
+  for (int64_t r = 0; r < v.m; ++r) {
+    const int64_t token = v.start + it.row_begin + r / g;
+    T* out = a.out + (token * a.hkv + it.head) * g * d + (r % g) * d;
+    const float inv = 1.f / at::vec::vec_reduce_all<float>(
+        [](Vec x, Vec y) { return x + y; }, Vec::loadu(w.row_sum.data() + r * kV));
+    const float* o = w.o.data() + r * a.padded_dim;
+    for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(o[c] * inv);
+  }
+}
+
+template <typename T>
+void run_item(const Args<T>& a, const Item& it, Scratch& w) {
+  const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
+  const ItemView<T> v(a, it);
+  const int64_t m = v.m, ctx = v.ctx;
+  // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
+  // adjacent in memory, so each query row contributes one contiguous [g * d] run.
+  for (int64_t i = 0; i < v.rows; ++i) {
+    const int64_t token = v.start + it.row_begin + i;
+    to_float(a.query + (token * a.hkv + h) * g * d, w.q.data() + i * g * d, g * d, a.scale);
+  }
+  reset_rows(w, m, dp);
   using Rows = std::array<const T*, kKeyTile>;
   auto tile_rows = [&](int64_t j0, int64_t count, Rows& krows, Rows& vrows) {
-    int64_t blk = ctx > j0 ? j0 / a.block_size : 0, slot = ctx > j0 ? j0 % a.block_size : 0;
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t j = j0 + t;
-      if (j < ctx) {
-        krows[t] = a.key_cache + table[blk] * a.kc_stride[0] + slot * a.kc_stride[1] +
-                   h * a.kc_stride[2];
-        vrows[t] = a.value_cache + table[blk] * a.vc_stride[0] + slot * a.vc_stride[1] +
-                   h * a.vc_stride[2];
-        if (++slot == a.block_size) slot = 0, ++blk;
-      } else {
-        krows[t] = a.key + ((start + j - ctx) * a.hkv + h) * d;
-        vrows[t] = a.value + ((start + j - ctx) * a.hkv + h) * d;
-      }
-    }
+    kv_rows(a, v, h, j0, count, krows.data(), vrows.data());
   };
-  // Keys [0, total) are visible to at least one row; row i sees keys [0, visible(i)).
-  const int64_t total = ctx + (a.causal ? it.row_end : n);
+  const int64_t total = v.total(a, it);
   Rows krows, vrows, next_krows, next_vrows;
   tile_rows(0, std::min(kKeyTile, total), krows, vrows);
   for (int64_t j0 = 0; j0 < total; j0 += kKeyTile) {
@@ -291,15 +328,7 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
       pv(w.s.data() + row * kKeyTile, w.v.data(), keys, w.o.data() + row * dp, R, dp);
     });
   }
-  // Every row sees at least key 0, so row_sum > 0: one rounding to T, nearest-even.
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t token = start + it.row_begin + r / g;
-    T* out = a.out + (token * a.hkv + h) * g * d + (r % g) * d;
-    const float inv = 1.f / at::vec::vec_reduce_all<float>(
-        [](Vec x, Vec y) { return x + y; }, Vec::loadu(w.row_sum.data() + r * kV));
-    const float* o = w.o.data() + r * dp;
-    for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(o[c] * inv);
-  }
+  store_rows(a, it, v, w);
 }
 
 
@@ -334,55 +363,36 @@ bool matrix_engine_available() {
 template <typename T>
 void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
   const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
-  const int64_t start = a.cu[it.seq], n = a.cu[it.seq + 1] - start;
-  const int64_t ctx = a.context_lens[it.seq];
-  const int32_t* table = a.block_table + it.seq * a.max_blocks;
-  const int64_t rows = it.row_end - it.row_begin, m = rows * g;
+  const ItemView<T> v(a, it);
+  const int64_t m = v.m, ctx = v.ctx;
   auto* q16 = reinterpret_cast<T*>(w.q16.data());
   constexpr int64_t kTile = kMatrixKeys;
   auto* p_hi = reinterpret_cast<T*>(w.p16.data());
   auto* p_lo = p_hi + m * kTile;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t token = start + it.row_begin + i;
+  for (int64_t i = 0; i < v.rows; ++i) {
+    const int64_t token = v.start + it.row_begin + i;
     std::copy_n(a.query + (token * a.hkv + h) * g * d, g * d, q16 + i * g * d);
   }
-  std::fill(w.o.begin(), w.o.begin() + m * dp, 0.f);
-  std::fill(w.row_ref.begin(), w.row_ref.begin() + m, kNegInf);
-  std::fill(w.row_sum.begin(), w.row_sum.begin() + m * kV, 0.f);
-
-  const int64_t total = ctx + (a.causal ? it.row_end : n);
+  reset_rows(w, m, dp);
+  const int64_t total = v.total(a, it);
+  std::array<const T*, kTile> krows, vrows;
   const int64_t half_d = d / 2;
   for (int64_t j0 = 0; j0 < total; j0 += kTile) {
     const int64_t keys = std::min(kTile, total - j0), keys_even = round_up(keys, 2);
     // VNNI layouts: K^T [d, keys] as [d/2][kTile] pairs (dims 2i, 2i+1 of one key), V [keys, d]
     // as [keys/2][d] pairs (one dim of keys 2t, 2t+1), an odd last key paired with zeros.
-    int64_t blk = ctx > j0 ? j0 / a.block_size : 0, slot = ctx > j0 ? j0 % a.block_size : 0;
+    kv_rows(a, v, h, j0, keys, krows.data(), vrows.data());
     for (int64_t t = 0; t < keys_even; ++t) {
-      const T *krow = nullptr, *vrow = nullptr;
-      const int64_t j = j0 + t;
-      if (t >= keys) {
-      } else if (j < ctx) {
-        krow = a.key_cache + table[blk] * a.kc_stride[0] + slot * a.kc_stride[1] +
-               h * a.kc_stride[2];
-        vrow = a.value_cache + table[blk] * a.vc_stride[0] + slot * a.vc_stride[1] +
-               h * a.vc_stride[2];
-        if (++slot == a.block_size) slot = 0, ++blk;
-      } else {
-        krow = a.key + ((start + j - ctx) * a.hkv + h) * d;
-        vrow = a.value + ((start + j - ctx) * a.hkv + h) * d;
-      }
-      if (krow) {
-        uint32_t key_pairs[512];  // head_dim <= 1024 (checked in run)
-        std::memcpy(key_pairs, krow, d * sizeof(T));
-        for (int64_t i = 0; i < half_d; ++i) w.kt_pairs[i * kTile + t] = key_pairs[i];
-      }
       auto* v16 = reinterpret_cast<uint16_t*>(w.v_pairs.data() + (t / 2) * d) + (t % 2);
-      if (vrow) {
-        const auto* src = reinterpret_cast<const uint16_t*>(vrow);
-        for (int64_t c = 0; c < d; ++c) v16[2 * c] = src[c];
-      } else {
+      if (t == keys) {  // an odd last key pairs with zeros
         for (int64_t c = 0; c < d; ++c) v16[2 * c] = 0;
+        continue;
       }
+      uint32_t key_pairs[512];  // head_dim <= 1024 (checked in run)
+      std::memcpy(key_pairs, krows[t], d * sizeof(T));
+      for (int64_t i = 0; i < half_d; ++i) w.kt_pairs[i * kTile + t] = key_pairs[i];
+      const auto* src = reinterpret_cast<const uint16_t*>(vrows[t]);
+      for (int64_t c = 0; c < d; ++c) v16[2 * c] = src[c];
     }
     at::native::cpublas::brgemm(m, keys, d, d, kTile, kTile, false, q16,
                                 reinterpret_cast<const T*>(w.kt_pairs.data()), w.s.data());
@@ -390,7 +400,8 @@ void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
     for (int64_t r = 0; r < m; ++r) {
       float* srow = w.s.data() + r * kTile;
       for (int64_t c = 0; c < keys; ++c) srow[c] *= a.scale;
-      const int64_t visible = a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
+      const int64_t visible =
+          a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
       softmax_row(srow, visible, vcols, w.row_ref[r], w.row_sum.data() + r * kV,
                   w.o.data() + r * dp, dp);
       split_hi_lo(srow, p_hi + r * kTile, p_lo + r * kTile, round_up(keys, 2 * kV));
@@ -400,14 +411,7 @@ void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
                                   reinterpret_cast<const T*>(w.v_pairs.data()), w.o.data());
   }
   w.used_matrix_engine = true;
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t token = start + it.row_begin + r / g;
-    T* out = a.out + (token * a.hkv + h) * g * d + (r % g) * d;
-    const float inv = 1.f / at::vec::vec_reduce_all<float>(
-        [](Vec x, Vec y) { return x + y; }, Vec::loadu(w.row_sum.data() + r * kV));
-    const float* o = w.o.data() + r * dp;
-    for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(o[c] * inv);
-  }
+  store_rows(a, it, v, w);
 }
 
 template <typename T>
