@@ -81,14 +81,17 @@ def init_draft(cfg: DraftConfig, target_hidden: int, seed: int) -> DFlashDraft:
 
 
 def copy_target_layers(draft: DFlashDraft, target: TargetModel, layers: list[int]) -> None:
-    """Start draft layer i from target layer layers[i] (same attention shapes and, when the
-    intermediate sizes agree, the same MLP): a language-model prior instead of noise."""
+    """Start draft layer i from target layer layers[i]: a language-model prior instead of noise.
+    The draft has the target's attention shapes; the layers must be dense with the draft's
+    intermediate size. Attention biases (Qwen2) are not copied: the draft has none."""
     if len(layers) != draft.cfg.num_layers:
         raise ValueError(f"init_from_target_layers names {len(layers)} layers; the draft has "
                          f"{draft.cfg.num_layers}")
-    if target.cfg.is_moe_layer(0) or draft.cfg.intermediate_size != target.cfg.intermediate_size:
-        raise ValueError("init_from_target_layers needs a dense target with the draft's "
-                         "intermediate size")
+    for index in layers:
+        if target.cfg.is_moe_layer(index) or \
+                draft.cfg.intermediate_size != target.cfg.intermediate_size:
+            raise ValueError(f"init_from_target_layers: target layer {index} is not a dense "
+                             f"layer with the draft's intermediate size")
     q_rows = draft.layers[0].q.shape[0]
     with torch.no_grad():
         for i, index in enumerate(layers):
