@@ -353,3 +353,18 @@ def test_packed_bf16_draft_computes_the_unpacked_block_forward(tmp_path):
         draft.write_context(feats, ctx.positions, ctx.slot_mapping, cache)
         outputs.append(draft(embeds, sequence_metadata(13, 8, _blocks(6), BLOCK), cache))
     torch.testing.assert_close(outputs[1], outputs[0], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 576), (16, 9, 64), (3, 100)])
+def test_model_rms_norm_is_the_reference_rounded_once(dtype, shape):
+    from dflash import reference
+    from dflash.models.layers import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    weight = (torch.randn(shape[-1], generator=g) * 0.5 + 1).to(dtype)
+    expected = reference.rms_norm(x, weight, 1e-6).to(dtype)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), expected, atol=0, rtol=0)
+    mixed = rms_norm(x, weight.float(), 1e-6)   # training: float32 weights under autocast
+    torch.testing.assert_close(mixed, reference.rms_norm(x, weight.float(), 1e-6).to(dtype))
