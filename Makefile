@@ -11,7 +11,7 @@ install:
 	$(PIP) install --no-build-isolation -e ".[test]"
 
 demo: install
-	dflash selfcheck
+	dflash demo
 
 test: install
 	$(PYTHON) -m pytest -q

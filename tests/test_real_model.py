@@ -31,3 +31,34 @@ def test_smollm2_greedy_matches_transformers_and_knows_paris(smollm2):
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=32, do_sample=False)
     assert out.token_ids == expected[0, ids.shape[1]:].tolist()
+
+
+def test_bundled_draft_is_lossless_in_float32_and_accepts(smollm2):
+    """The trained draft with its target: float32 DFlash output equals target-only output, and
+    the draft earns its keep (a random draft stays at tau ~1)."""
+    from dflash import demo
+
+    prompts, params = None, SamplingParams(max_tokens=64)
+    outputs = []
+    for draft in (assets.bundled_draft(), None):
+        with LLM(smollm2, draft, dtype="float32", max_num_seqs=2) as llm:
+            prompts = prompts or [llm.chat_prompt(q) for q in demo.QUESTIONS[:2]]
+            outputs.append(llm.generate(prompts, params))
+            if draft is not None:
+                tau = llm.metrics()["mean_acceptance_length"]
+    assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
+    assert tau > 1.5
+
+
+def test_demo_streams_answers_and_reports_the_speedup(smollm2):
+    import io
+
+    from dflash import demo
+
+    out = io.StringIO()
+    summary = demo.run(max_tokens=48, out=out)
+    text = out.getvalue()
+    assert text.count("Q: ") == len(demo.QUESTIONS) and "speedup" in text
+    assert summary["prompts"] == len(demo.QUESTIONS)
+    assert 0 <= summary["identical_outputs"] <= len(demo.QUESTIONS)
+    assert summary["tau"] > 1.5 and summary["dflash_tok_s"] > 0
