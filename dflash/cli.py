@@ -125,7 +125,9 @@ def _train(args: argparse.Namespace) -> int:
                      init_from=args.init_from, eval_every=args.eval_every,
                      init_from_target_layers=_int_list(args.init_from_target_layers))
     command = shlex.join(["dflash", *sys.argv[1:]])
-    Trainer(llm.target, read_answers(answers), out, tc, target_name=_target_name(args.target),
+    # the answers file may hold more questions than this run's --num-prompts: train on these only
+    rows = [r for r in read_answers(answers) if r["index"] < len(prompts)]
+    Trainer(llm.target, rows, out, tc, target_name=_target_name(args.target),
             command=command).run(max_minutes=args.max_minutes)
     print(f"draft saved to {out / 'draft'}")
     return 0
