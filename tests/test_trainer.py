@@ -163,3 +163,20 @@ def test_exported_draft_has_a_model_card(tiny, tmp_path):
     for entry in trainer.log:
         assert f"| {entry['step']} |" in card and f"{entry['heldout_tau']:.3f}" in card
     assert (tmp_path / "draft" / "training_curve.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no oneDNN bf16 GEMMs")
+def test_copying_layers_from_a_packed_bf16_target(tiny):
+    """`dflash train` trains against the engine's target, whose bf16 weights are packed."""
+    root, _, _ = tiny
+    plain = load_target(root / "target", dtype=torch.bfloat16)
+    packed = load_target(root / "target", dtype=torch.bfloat16)
+    packed.pack_weights()
+    tc = _config(num_layers=1, intermediate_size=plain.cfg.intermediate_size)
+    drafts = [init_draft(draft_config(plain, tc), plain.cfg.attn.hidden_size, seed=0)
+              for _ in range(2)]
+    copy_target_layers(drafts[0], plain, [2])
+    copy_target_layers(drafts[1], packed, [2])
+    for p, q in zip(drafts[0].parameters(), drafts[1].parameters()):
+        assert torch.equal(p, q)

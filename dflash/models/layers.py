@@ -75,6 +75,11 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tenso
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
 
 
+def unpacked(weight: torch.Tensor) -> torch.Tensor:
+    """The plain [N, K] tensor of a weight, packed by `pack_linear_weight` or not."""
+    return weight.to_dense() if weight.is_mkldnn else weight
+
+
 def pack_parameter(module: torch.nn.Module, name: str) -> None:
     """Replace the weight parameter `name` of `module` by its packed form (`pack_linear_weight`)."""
     packed = pack_linear_weight(getattr(module, name).data)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from ..models import DFlashDraft, DraftConfig, TargetModel, default_target_layer_ids
 from ..models.config import AttentionConfig
+from ..models.layers import unpacked
 from ..models.loader import load_draft, save_draft
 from .card import write_model_card
 from .features import cached_features
@@ -96,12 +97,12 @@ def copy_target_layers(draft: DFlashDraft, target: TargetModel, layers: list[int
     with torch.no_grad():
         for i, index in enumerate(layers):
             mine, theirs = draft.layers[i], target.layers[index]
-            qkv = theirs.attn.qkv.float()
+            qkv = unpacked(theirs.attn.qkv).float()   # an engine's target may be packed
             mine.q.copy_(qkv[:q_rows])
             draft.layer_kv(i)[0].copy_(qkv[q_rows:])
-            mine.o.copy_(theirs.attn.o)
-            mine.mlp.gate_up.copy_(theirs.mlp.gate_up)
-            mine.mlp.down.copy_(theirs.mlp.down)
+            mine.o.copy_(unpacked(theirs.attn.o))
+            mine.mlp.gate_up.copy_(unpacked(theirs.mlp.gate_up))
+            mine.mlp.down.copy_(unpacked(theirs.mlp.down))
             mine.input_norm.copy_(theirs.input_norm)
             mine.post_norm.copy_(theirs.post_norm)
             if theirs.attn.q_norm is not None:   # without qk-norm the draft's norms stay at 1
