@@ -21,15 +21,13 @@
 #include <unordered_set>
 
 #define CKV_CHECK(cond, ...) DFLASH_CHECK(cond, "context_kv", __VA_ARGS__)
-// The dtypes check_meta admits: float32, bfloat16, float16.
+// The dtypes checks::context_kv_meta admits: float32, bfloat16, float16.
 #define CKV_DISPATCH(TYPE, ...)                                                   \
   AT_DISPATCH_SWITCH(TYPE, "context_kv", AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
                      AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES(__VA_ARGS__))
 
 namespace dflash::context_kv {
 namespace {
-
-constexpr const char* kOp = "context_kv";
 
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
@@ -39,73 +37,9 @@ using fVec = Vectorized<float>;
 constexpr int64_t kMinWorkPerThread = 1 << 18;
 
 // ---------------------------------------------------------------------------------------------
-// Validation: the checks of dflash/checks.py (context_kv_meta, then context_kv_values), in the
-// same order and with the same texts, all before anything is written.
+// Validation: csrc/checks.h (dflash/checks.py), plus the layout this kernel needs, all before
+// anything is written.
 // ---------------------------------------------------------------------------------------------
-
-constexpr int64_t ANY = -1;
-
-void check_meta(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
-                const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
-                const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
-                const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                const at::Tensor& slot_mapping, at::TensorList key_caches,
-                at::TensorList value_caches, double eps) {
-  check_tensor(kOp, "hidden", hidden, {at::kFloat, at::kBFloat16, at::kHalf}, 2, {});
-  const at::ScalarType dtype = hidden.scalar_type();
-  const at::Device dev = hidden.device();
-  const int64_t n = hidden.size(0), d_in = hidden.size(1);
-  int64_t h = d_in;
-  if (fc_weight) {
-    check_tensor(kOp, "fc_weight", *fc_weight, dtype, 2, {ANY, d_in}, dev);
-    h = fc_weight->size(0);
-  }
-  check_tensor(kOp, "hidden_norm_weight", hidden_norm_weight, dtype, 1, {h}, dev);
-  check_tensor(kOp, "k_norm_weight", k_norm_weight, dtype, 2, {}, dev);
-  const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
-  CKV_CHECK(d % 2 == 0, "head_dim ", d, " must be even for rotate-half RoPE");
-  CKV_CHECK(static_cast<int64_t>(key_caches.size()) == layers &&
-                static_cast<int64_t>(value_caches.size()) == layers,
-            "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ",
-            key_caches.size(), " key and ", value_caches.size(), " value caches");
-  CKV_CHECK(layers > 0, "k_norm_weight must describe at least one layer");
-  check_tensor(kOp, "key_caches[0]", key_caches[0], dtype, 4, {}, dev);
-  const std::vector<int64_t> cache_shape = key_caches[0].sizes().vec();
-  const int64_t hkv = cache_shape[2];
-  CKV_CHECK(cache_shape[3] == d, "key_caches[0] has head_dim ", cache_shape[3],
-            ", k_norm_weight has ", d);
-  for (const auto& [name, caches] : {std::pair{"key_caches", key_caches},
-                                     std::pair{"value_caches", value_caches}}) {
-    for (size_t i = 0; i < caches.size(); ++i) {
-      check_tensor(kOp, std::string(name) + "[" + std::to_string(i) + "]", caches[i], dtype, 4,
-                   cache_shape, dev);
-    }
-  }
-  const int64_t rows = layers * 2 * hkv * d;
-  check_tensor(kOp, "kv_weight", kv_weight, dtype, 2, {}, dev);
-  CKV_CHECK(kv_weight.size(0) == rows && kv_weight.size(1) == h, "kv_weight has shape ",
-            shape_str(kv_weight), ", expected [", rows, ", ", h, "] (L=", layers, " x 2 x Hkv=",
-            hkv, " x D=", d, " rows, hidden ", h, ")");
-  if (kv_bias) check_tensor(kOp, "kv_bias", *kv_bias, dtype, 1, {rows}, dev);
-  check_tensor(kOp, "positions", positions, {at::kLong}, 1, {n}, dev);
-  check_tensor(kOp, "slot_mapping", slot_mapping, {at::kLong}, 1, {n}, dev);
-  check_tensor(kOp, "cos_sin_cache", cos_sin_cache, {at::kFloat}, 2, {ANY, d}, dev);
-  CKV_CHECK(eps >= 0, "eps must be non-negative, got ", eps);
-}
-
-void check_values(const int64_t* positions, const int64_t* slots, int64_t n, int64_t max_pos,
-                  int64_t num_blocks, int64_t block_size) {
-  for (int64_t t = 0; t < n; ++t) {
-    CKV_CHECK(positions[t] >= 0 && positions[t] < max_pos, "positions[", t, "] = ", positions[t],
-              " is out of range for a cos_sin_cache of ", max_pos, " positions");
-  }
-  const int64_t num_slots = num_blocks * block_size;
-  for (int64_t t = 0; t < n; ++t) {
-    CKV_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
-              " is out of range for a cache of ", num_blocks, " blocks x ", block_size,
-              " slots (valid: -1 to ", num_slots - 1, ")");
-  }
-}
 
 // Kernel-only limit: the epilogue stores whole heads, so each cache needs a contiguous head_dim;
 // every other stride is free (separate tensors, views of one stacked tensor, K/V interleaved).
@@ -268,10 +202,10 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                 const at::Tensor& slot_mapping, at::TensorList key_caches,
                 at::TensorList value_caches, double eps) {
-  check_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
+  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
              cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
   const at::Tensor pos = positions.contiguous(), slots = slot_mapping.contiguous();
-  check_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), pos.numel(),
+  checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), pos.numel(),
                cos_sin_cache.size(0), key_caches[0].size(0), key_caches[0].size(1));
   check_layout(key_caches, value_caches);
 

@@ -30,12 +30,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/native/CPUBlas.h>
 
-#define PA_CHECK(cond, ...) DFLASH_CHECK(cond, "paged_attention", __VA_ARGS__)
-
 namespace dflash::paged_attention {
 namespace {
-
-constexpr const char* kOp = "paged_attention";
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kV = Vec::size();
@@ -450,71 +446,19 @@ void run(const Args<T>& a, int64_t batch) {
   });
 }
 
-// ----------------------------------------------------------------------------------- checks
-// Same rules, order and messages as dflash/checks.py (paged_attention section).
-
-std::string python_float(double x) {
-  if (std::isnan(x)) return "nan";
-  return x > 0 ? "inf" : "-inf";
-}
-
-void check_meta(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                const at::Tensor& key_cache, const at::Tensor& value_cache,
-                const at::Tensor& block_table, const at::Tensor& context_lens,
-                const at::Tensor& cu_query_lens, double scale) {
-  check_tensor(kOp, "query", query, {at::kFloat, at::kBFloat16, at::kHalf}, 3);
-  const auto dtype = query.scalar_type();
-  const auto dev = query.device();
-  const int64_t tq = query.size(0), hq = query.size(1), d = query.size(2);
-  check_tensor(kOp, "key", key, {dtype}, 3, {tq, -1, d}, dev);
-  const int64_t hkv = key.size(1);
-  check_tensor(kOp, "value", value, {dtype}, 3, {tq, hkv, d}, dev);
-  PA_CHECK(hkv > 0 && hq % hkv == 0, "query heads ", hq, " must be a multiple of kv heads ", hkv);
-  check_tensor(kOp, "key_cache", key_cache, {dtype}, 4, {-1, -1, hkv, d}, dev);
-  check_tensor(kOp, "value_cache", value_cache, {dtype}, 4, key_cache.sizes(), dev);
-  check_tensor(kOp, "block_table", block_table, {at::kInt}, 2, {}, dev);
-  const int64_t b = block_table.size(0);
-  check_tensor(kOp, "context_lens", context_lens, {at::kInt}, 1, {b}, dev);
-  check_tensor(kOp, "cu_query_lens", cu_query_lens, {at::kInt}, 1, {b + 1}, dev);
-  PA_CHECK(std::isfinite(scale), "scale must be finite, got ", python_float(scale));
-}
-
-void check_values(int64_t tq, int64_t num_blocks, int64_t block_size, const at::Tensor& table,
-                  const int32_t* context_lens, const int32_t* cu) {
-  const int64_t batch = table.size(0), max_blocks = table.size(1);
-  const int32_t* bt = table.data_ptr<int32_t>();
-  PA_CHECK(cu[0] == 0, "cu_query_lens must start at 0, got ", cu[0]);
-  PA_CHECK(cu[batch] == tq, "cu_query_lens must end at the ", tq, " query rows, got ", cu[batch]);
-  for (int64_t b = 0; b < batch; ++b) {
-    PA_CHECK(cu[b] <= cu[b + 1], "cu_query_lens is not monotone at sequence ", b, ": ", cu[b],
-             " > ", cu[b + 1]);
-  }
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t ctx = context_lens[b];
-    PA_CHECK(0 <= ctx && ctx <= max_blocks * block_size, "context_lens[", b, "] = ", ctx,
-             " is out of range: the block table covers ", max_blocks, " blocks x ", block_size,
-             " tokens");
-    const int64_t used = block_size > 0 ? (ctx + block_size - 1) / block_size : 0;
-    for (int64_t j = 0; j < used; ++j) {
-      const int32_t blk = bt[b * max_blocks + j];
-      PA_CHECK(0 <= blk && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk,
-               " is out of range for ", num_blocks, " cache blocks");
-    }
-  }
-}
-
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_table,
                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
                                double scale, bool causal) {
-  check_meta(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-             scale);
+  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
+                               context_lens, cu_query_lens, scale);
   const auto table = block_table.contiguous();
   const auto ctx = context_lens.contiguous();
   const auto cu = cu_query_lens.contiguous();
-  check_values(query.size(0), key_cache.size(0), key_cache.size(1), table,
-               ctx.data_ptr<int32_t>(), cu.data_ptr<int32_t>());
+  checks::paged_attention_values(query.size(0), key_cache.size(0), key_cache.size(1),
+                                 table.data_ptr<int32_t>(), table.size(0), table.size(1),
+                                 ctx.data_ptr<int32_t>(), cu.data_ptr<int32_t>());
 
   auto out = at::empty_like(query, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
@@ -549,7 +493,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.causal = causal;
     run(a, table.size(0));
   };
-  switch (query.scalar_type()) {  // check_meta admitted only these
+  switch (query.scalar_type()) {  // paged_attention_meta admitted only these
     case at::kFloat: launch(float{}); break;
     case at::kBFloat16: launch(c10::BFloat16{}); break;
     default: launch(c10::Half{}); break;

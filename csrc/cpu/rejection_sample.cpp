@@ -8,9 +8,7 @@
 //      computes the residual, its exponential race and whether it has any positive mass.
 // Errors are raised between the phases with the reference's messages, in the reference's order.
 #include <algorithm>
-#include <charconv>
 #include <cmath>
-#include <cstdio>
 #include <limits>
 
 #include <ATen/cpu/vec/functional.h>
@@ -20,8 +18,6 @@
 namespace dflash::rejection_sample_cpu {
 namespace {
 
-constexpr const char* kOp = "rejection_sample";
-
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 // Rows are processed in chunks that stay in L1, so finding the first index of a chunk's maximum
@@ -29,39 +25,6 @@ constexpr int64_t W = Vec::size();
 constexpr int64_t kChunk = 2048;
 
 #define RS_CHECK(cond, ...) DFLASH_CHECK(cond, "rejection_sample", __VA_ARGS__)
-
-// ------------------------------------------------------------------------------------------
-// Validation messages (dflash/checks.py)
-
-// Python's repr(float(x)): shortest round-trip digits, exponent form below 1e-4 or from 1e16.
-std::string py_float_repr(double x) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  char buf[64];
-  const auto res = std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific);
-  const std::string s(buf, res.ptr);  // "-d.ddde-05"
-  const size_t e = s.find('e');
-  const int exp10 = std::stoi(s.substr(e + 1));
-  const bool negative = s[0] == '-';
-  std::string digits;
-  for (size_t i = negative; i < e; ++i)
-    if (s[i] != '.') digits += s[i];
-  std::string out;
-  if (exp10 < -4 || exp10 >= 16) {
-    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
-    char tail[16];
-    std::snprintf(tail, sizeof tail, "e%c%02d", exp10 < 0 ? '-' : '+', std::abs(exp10));
-    out += tail;
-  } else if (exp10 < 0) {
-    out = "0." + std::string(-exp10 - 1, '0') + digits;
-  } else {
-    const size_t int_len = exp10 + 1;
-    out = digits.size() <= int_len
-              ? digits + std::string(int_len - digits.size(), '0') + ".0"
-              : digits.substr(0, int_len) + "." + digits.substr(int_len);
-  }
-  return (negative ? "-" : "") + out;
-}
 
 // ------------------------------------------------------------------------------------------
 // Phase 1: one pass per row
@@ -187,19 +150,11 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     const at::Tensor& draft_token_ids_, const std::optional<at::Tensor>& draft_probs_,
     const at::Tensor& target_probs_, const at::Tensor& is_greedy_, const at::Tensor& uniform_,
     const at::Tensor& exponential_) {
-  // checks.rejection_sample_meta
-  const int64_t any = -1;
-  const at::Device device = draft_token_ids_.device();
-  check_tensor(kOp, "draft_token_ids", draft_token_ids_, at::kLong, 2, {}, device);
+  checks::rejection_sample_meta(draft_token_ids_, draft_probs_, target_probs_, is_greedy_,
+                                uniform_, exponential_);
   const int64_t bs = draft_token_ids_.size(0), k = draft_token_ids_.size(1);
-  check_tensor(kOp, "target_probs", target_probs_, at::kFloat, 3, {bs, k + 1, any}, device);
   const int64_t v = target_probs_.size(2);
-  RS_CHECK(v > 0, "target_probs has an empty vocabulary");
   const bool dense = draft_probs_.has_value();
-  if (dense) check_tensor(kOp, "draft_probs", *draft_probs_, at::kFloat, 3, {bs, k, v}, device);
-  check_tensor(kOp, "is_greedy", is_greedy_, at::kBool, 1, {bs}, device);
-  check_tensor(kOp, "uniform", uniform_, at::kFloat, 2, {bs, k}, device);
-  check_tensor(kOp, "exponential", exponential_, at::kFloat, 2, {bs, v}, device);
 
   const at::Tensor ids_t = draft_token_ids_.contiguous(), p_t = target_probs_.contiguous(),
                    greedy_t = is_greedy_.contiguous(), u_t = uniform_.contiguous(),
@@ -213,9 +168,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
   const float* e = e_t.data_ptr<float>();
 
   // checks.rejection_sample_values, part 1: token ids, before anything indexes with them
-  for (int64_t i = 0; i < bs * k; ++i)
-    RS_CHECK(ids[i] >= 0 && ids[i] < v, "draft_token_ids[", i / k, ", ", i % k, "] = ", ids[i],
-             " is outside the vocabulary of ", v);
+  checks::rejection_sample_ids(ids, bs, k, v);
 
   // Phase 1 over rows [target rows | draft rows | exponential rows]
   const int64_t n_target = bs * (k + 1), n_draft = dense ? bs * k : 0;
@@ -246,9 +199,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
   };
   check_probs("target_probs", 0, n_target, k + 1);
   check_probs("draft_probs", n_target, n_draft, k);
-  for (int64_t i = 0; i < bs * k; ++i)
-    RS_CHECK(u[i] >= 0 && u[i] < 1, "uniform[", i / k, ", ", i % k, "] = ",
-             py_float_repr(u[i]), " is outside [0, 1)");
+  checks::rejection_sample_uniform(u, bs, k);
   for (int64_t b = 0; b < bs; ++b)
     RS_CHECK(status[n_target + n_draft + b] == kOk, "exponential row ", b,
              " must be positive and finite (Exp(1) noise)");

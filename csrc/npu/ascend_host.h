@@ -4,14 +4,13 @@
 // kernel arguments. Everything here is device-agnostic ATen code; only the launch itself differs.
 #pragma once
 
-#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
 
-#include "cpu/common.h"
+#include "checks.h"
 #include "tiling.h"
 
 namespace dflash::ascend {
@@ -20,15 +19,6 @@ template <typename... Parts>
 [[noreturn]] void fail(const char* op, const Parts&... parts) {
   TORCH_CHECK_VALUE(false, op, ": ", parts...);
   abort();  // unreachable: TORCH_CHECK_VALUE(false, ...) throws
-}
-
-// Python's repr of a float (shortest round trip, "1.0" rather than "1").
-inline std::string py_float(double v) {
-  char buf[32];
-  auto end = std::to_chars(buf, buf + sizeof(buf), v).ptr;
-  std::string s(buf, end);
-  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
-  return s;
 }
 
 // A kernel argument: the GM address of `t`, or nullptr for an absent optional tensor.
@@ -61,32 +51,17 @@ inline void check_rejection_sample(const at::Tensor& draft_token_ids,
                                    const at::Tensor& target_probs, const at::Tensor& is_greedy,
                                    const at::Tensor& uniform, const at::Tensor& exponential) {
   constexpr const char* op = "rejection_sample";
-  check_tensor(op, "draft_token_ids", draft_token_ids, {at::kLong}, 2);
-  const auto dev = draft_token_ids.device();
+  checks::rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                                exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1);
-  check_tensor(op, "target_probs", target_probs, {at::kFloat}, 3, {bs, k + 1, -1}, dev);
-  const int64_t v = target_probs.size(2);
-  if (v <= 0) fail(op, "target_probs has an empty vocabulary");
-  if (draft_probs) check_tensor(op, "draft_probs", *draft_probs, {at::kFloat}, 3, {bs, k, v}, dev);
-  check_tensor(op, "is_greedy", is_greedy, {at::kBool}, 1, {bs}, dev);
-  check_tensor(op, "uniform", uniform, {at::kFloat}, 2, {bs, k}, dev);
-  check_tensor(op, "exponential", exponential, {at::kFloat}, 2, {bs, v}, dev);
-
-  at::Tensor bad = ((draft_token_ids < 0) | (draft_token_ids >= v)).nonzero().cpu();
-  if (bad.size(0)) {
-    const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
-    fail(op, "draft_token_ids[", b, ", ", i, "] = ", draft_token_ids[b][i].item<int64_t>(),
-         " is outside the vocabulary of ", v);
-  }
+  const at::Tensor ids = draft_token_ids.cpu().contiguous();
+  checks::rejection_sample_ids(ids.const_data_ptr<int64_t>(), bs, k, target_probs.size(2));
+  // The probabilities stay on the device: reduce them there, copy back only the verdicts.
   check_probs(op, "target_probs", target_probs);
   if (draft_probs) check_probs(op, "draft_probs", *draft_probs);
-  bad = (~((uniform >= 0) & (uniform < 1))).nonzero().cpu();
-  if (bad.size(0)) {
-    const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
-    fail(op, "uniform[", b, ", ", i, "] = ", py_float(uniform[b][i].item<double>()),
-         " is outside [0, 1)");
-  }
-  bad = (~((exponential > 0) & at::isfinite(exponential))).any(-1).nonzero().cpu();
+  const at::Tensor u = uniform.cpu().contiguous();
+  checks::rejection_sample_uniform(u.const_data_ptr<float>(), bs, k);
+  at::Tensor bad = (~((exponential > 0) & at::isfinite(exponential))).any(-1).nonzero().cpu();
   if (bad.size(0))
     fail(op, "exponential row ", bad[0][0].item<int64_t>(),
          " must be positive and finite (Exp(1) noise)");
@@ -130,71 +105,6 @@ inline RejectionSampleLaunch prepare_rejection_sample(
 // context_kv
 // ---------------------------------------------------------------------------------------------
 
-inline void check_context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
-                             const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
-                             const std::optional<at::Tensor>& kv_bias,
-                             const at::Tensor& k_norm_weight, const at::Tensor& positions,
-                             const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
-                             at::TensorList key_caches, at::TensorList value_caches, double eps) {
-  constexpr const char* op = "context_kv";
-  const std::initializer_list<at::ScalarType> floats{at::kFloat, at::kBFloat16, at::kHalf};
-  check_tensor(op, "hidden", hidden, floats, 2);
-  const auto dtype = hidden.scalar_type();
-  const auto dev = hidden.device();
-  const int64_t n = hidden.size(0), d_in = hidden.size(1);
-  int64_t h = d_in;
-  if (fc_weight) {
-    check_tensor(op, "fc_weight", *fc_weight, {dtype}, 2, {-1, d_in}, dev);
-    h = fc_weight->size(0);
-  }
-  check_tensor(op, "hidden_norm_weight", hidden_norm_weight, {dtype}, 1, {h}, dev);
-  check_tensor(op, "k_norm_weight", k_norm_weight, {dtype}, 2, {}, dev);
-  const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
-  if (d % 2) fail(op, "head_dim ", d, " must be even for rotate-half RoPE");
-  if (static_cast<int64_t>(key_caches.size()) != layers ||
-      static_cast<int64_t>(value_caches.size()) != layers)
-    fail(op, "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ",
-         key_caches.size(), " key and ", value_caches.size(), " value caches");
-  if (layers <= 0) fail(op, "k_norm_weight must describe at least one layer");
-  check_tensor(op, "key_caches[0]", key_caches[0], {dtype}, 4, {}, dev);
-  const auto cache_shape = key_caches[0].sizes().vec();
-  const int64_t hkv = cache_shape[2];
-  if (cache_shape[3] != d)
-    fail(op, "key_caches[0] has head_dim ", cache_shape[3], ", k_norm_weight has ", d);
-  for (auto [name, caches] :
-       {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
-    for (size_t i = 0; i < caches.size(); ++i)
-      check_tensor(op, std::string(name) + "[" + std::to_string(i) + "]", caches[i], {dtype}, 4,
-                   cache_shape, dev);
-  }
-  const int64_t rows = layers * 2 * hkv * d;
-  check_tensor(op, "kv_weight", kv_weight, {dtype}, 2, {}, dev);
-  if (kv_weight.size(0) != rows || kv_weight.size(1) != h)
-    fail(op, "kv_weight has shape ", shape_str(kv_weight), ", expected [", rows, ", ", h,
-         "] (L=", layers, " x 2 x Hkv=", hkv, " x D=", d, " rows, hidden ", h, ")");
-  if (kv_bias) check_tensor(op, "kv_bias", *kv_bias, {dtype}, 1, {rows}, dev);
-  check_tensor(op, "positions", positions, {at::kLong}, 1, {n}, dev);
-  check_tensor(op, "slot_mapping", slot_mapping, {at::kLong}, 1, {n}, dev);
-  check_tensor(op, "cos_sin_cache", cos_sin_cache, {at::kFloat}, 2, {-1, d}, dev);
-  if (!(eps >= 0)) fail(op, "eps must be non-negative, got ", py_float(eps));
-
-  const int64_t max_pos = cos_sin_cache.size(0);
-  at::Tensor bad = ((positions < 0) | (positions >= max_pos)).nonzero().cpu();
-  if (bad.size(0)) {
-    const int64_t t = bad[0][0].item<int64_t>();
-    fail(op, "positions[", t, "] = ", positions[t].item<int64_t>(),
-         " is out of range for a cos_sin_cache of ", max_pos, " positions");
-  }
-  const int64_t num_slots = cache_shape[0] * cache_shape[1];
-  bad = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero().cpu();
-  if (bad.size(0)) {
-    const int64_t t = bad[0][0].item<int64_t>();
-    fail(op, "slot_mapping[", t, "] = ", slot_mapping[t].item<int64_t>(),
-         " is out of range for a cache of ", cache_shape[0], " blocks x ", cache_shape[1],
-         " slots (valid: -1 to ", num_slots - 1, ")");
-  }
-}
-
 struct ContextKvLaunch {
   ContextKvTiling tiling;
   uint32_t block_dim;  // 0: no tokens, nothing to launch
@@ -221,8 +131,13 @@ inline ContextKvLaunch prepare_context_kv(
     at::TensorList key_caches, at::TensorList value_caches, double eps, uint32_t cores,
     uint64_t ub_bytes = kUbBytes) {
   constexpr const char* op = "context_kv";
-  check_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
-                   positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
+  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
+                          k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
+                          value_caches, eps);
+  const at::Tensor pos = positions.cpu().contiguous(), slots = slot_mapping.cpu().contiguous();
+  checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
+                            pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
+                            key_caches[0].size(1));
   const auto dtype = hidden.scalar_type();
   const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
   const int64_t hkv = key_caches[0].size(2);
@@ -280,48 +195,13 @@ inline std::pair<at::Tensor, at::Tensor> check_paged_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale) {
-  constexpr const char* op = "paged_attention";
-  check_tensor(op, "query", query, {at::kFloat, at::kBFloat16, at::kHalf}, 3);
-  const auto dtype = query.scalar_type();
-  const auto dev = query.device();
-  const int64_t tq = query.size(0), hq = query.size(1), d = query.size(2);
-  check_tensor(op, "key", key, {dtype}, 3, {tq, -1, d}, dev);
-  const int64_t hkv = key.size(1);
-  check_tensor(op, "value", value, {dtype}, 3, {tq, hkv, d}, dev);
-  if (!(hkv > 0 && hq % hkv == 0))
-    fail(op, "query heads ", hq, " must be a multiple of kv heads ", hkv);
-  check_tensor(op, "key_cache", key_cache, {dtype}, 4, {-1, -1, hkv, d}, dev);
-  check_tensor(op, "value_cache", value_cache, {dtype}, 4, key_cache.sizes().vec(), dev);
-  check_tensor(op, "block_table", block_table, {at::kInt}, 2, {}, dev);
-  const int64_t b = block_table.size(0);
-  check_tensor(op, "context_lens", context_lens, {at::kInt}, 1, {b}, dev);
-  check_tensor(op, "cu_query_lens", cu_query_lens, {at::kInt}, 1, {b + 1}, dev);
-  if (!std::isfinite(scale)) fail(op, "scale must be finite, got ", py_float(scale));
-
-  at::Tensor cu = cu_query_lens.cpu();
-  const auto c = cu.accessor<int32_t, 1>();
-  if (c[0] != 0) fail(op, "cu_query_lens must start at 0, got ", c[0]);
-  if (c[b] != tq) fail(op, "cu_query_lens must end at the ", tq, " query rows, got ", c[b]);
-  for (int64_t i = 0; i < b; ++i) {
-    if (c[i] > c[i + 1])
-      fail(op, "cu_query_lens is not monotone at sequence ", i, ": ", c[i], " > ", c[i + 1]);
-  }
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t max_blocks = block_table.size(1);
-  at::Tensor ctx = context_lens.cpu(), table = block_table.cpu();
-  const auto lens = ctx.accessor<int32_t, 1>();
-  const auto rows = table.accessor<int32_t, 2>();
-  for (int64_t i = 0; i < b; ++i) {
-    if (lens[i] < 0 || lens[i] > max_blocks * block_size)
-      fail(op, "context_lens[", i, "] = ", lens[i], " is out of range: the block table covers ",
-           max_blocks, " blocks x ", block_size, " tokens");
-    const int64_t used = lens[i] ? (lens[i] + block_size - 1) / block_size : 0;
-    for (int64_t j = 0; j < used; ++j) {
-      if (rows[i][j] < 0 || rows[i][j] >= num_blocks)
-        fail(op, "block_table[", i, ", ", j, "] = ", rows[i][j], " is out of range for ",
-             num_blocks, " cache blocks");
-    }
-  }
+  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
+                               context_lens, cu_query_lens, scale);
+  const at::Tensor cu = cu_query_lens.cpu().contiguous(), ctx = context_lens.cpu().contiguous();
+  const at::Tensor table = block_table.cpu().contiguous();
+  checks::paged_attention_values(query.size(0), key_cache.size(0), key_cache.size(1),
+                                 table.const_data_ptr<int32_t>(), table.size(0), table.size(1),
+                                 ctx.const_data_ptr<int32_t>(), cu.const_data_ptr<int32_t>());
   return {cu, ctx};
 }
 

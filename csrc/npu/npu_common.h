@@ -2,6 +2,8 @@
 // Compiled only by the NPU build (ascend_kernels/CMakeLists.txt).
 #pragma once
 
+#include <torch/library.h>
+
 #include <algorithm>
 
 #include "ascend_host.h"

@@ -1,0 +1,251 @@
+// Input validation of the three ops, shared by the CPU kernels (csrc/cpu) and the Ascend host code
+// (csrc/npu/ascend_host.h): the rules, order and messages of dflash/checks.py, so one bad-input
+// test suite covers every implementation. Value checks read host memory; the NPU host copies the
+// small index tensors to the CPU first.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+// Input errors raise ValueError("<op>: <message>").
+#define DFLASH_CHECK(cond, op, ...) TORCH_CHECK_VALUE((cond), op, ": ", __VA_ARGS__)
+
+namespace dflash {
+
+// "[2, 3, 4]", as Python prints a shape.
+inline std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+// "torch.float32", as Python prints a dtype.
+inline std::string dtype_str(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kBool: return "torch.bool";
+    case at::kDouble: return "torch.float64";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// Python's repr(float(x)): shortest round-trip digits, exponent form below 1e-4 or from 1e16.
+inline std::string py_float(double x) {
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto res = std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific);
+  const std::string s(buf, res.ptr);  // "-d.ddde-05"
+  const size_t e = s.find('e');
+  const int exp10 = std::stoi(s.substr(e + 1));
+  const bool negative = s[0] == '-';
+  std::string digits;
+  for (size_t i = negative; i < e; ++i)
+    if (s[i] != '.') digits += s[i];
+  std::string out;
+  if (exp10 < -4 || exp10 >= 16) {
+    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
+    char tail[16];
+    std::snprintf(tail, sizeof tail, "e%c%02d", exp10 < 0 ? '-' : '+', std::abs(exp10));
+    out += tail;
+  } else if (exp10 < 0) {
+    out = "0." + std::string(-exp10 - 1, '0') + digits;
+  } else {
+    const size_t int_len = exp10 + 1;
+    out = digits.size() <= int_len
+              ? digits + std::string(int_len - digits.size(), '0') + ".0"
+              : digits.substr(0, int_len) + "." + digits.substr(int_len);
+  }
+  return (negative ? "-" : "") + out;
+}
+
+// checks.tensor: `t` has one of `dtypes`, rank `dim`, the sizes `shape` lists for its leading
+// dims (-1 = any) and, when given, `device`.
+inline void check_tensor(const char* op, const std::string& name, const at::Tensor& t,
+                         c10::ArrayRef<at::ScalarType> dtypes, int64_t dim,
+                         c10::ArrayRef<int64_t> shape = {},
+                         const std::optional<at::Device>& device = std::nullopt) {
+  if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end()) {
+    std::string expected;
+    for (auto d : dtypes) expected += (expected.empty() ? "" : " or ") + dtype_str(d);
+    TORCH_CHECK_VALUE(false, op, ": ", name, " has dtype ", dtype_str(t.scalar_type()),
+                      ", expected ", expected);
+  }
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ",
+                    shape_str(t));
+  for (size_t i = 0; i < shape.size() && static_cast<int64_t>(i) < t.dim(); ++i) {
+    TORCH_CHECK_VALUE(shape[i] < 0 || t.size(i) == shape[i], op, ": ", name, " has shape ",
+                      shape_str(t), ", expected size ", shape[i], " in dim ", i);
+  }
+  TORCH_CHECK_VALUE(!device || t.device() == *device, op, ": ", name, " is on ",
+                    t.device().str(), ", expected ", device ? device->str() : "");
+}
+
+namespace checks {
+
+constexpr int64_t kAny = -1;
+inline const std::initializer_list<at::ScalarType> kFloats{at::kFloat, at::kBFloat16, at::kHalf};
+
+// ------------------------------------------------------------------------- rejection_sample
+
+inline void rejection_sample_meta(const at::Tensor& draft_token_ids,
+                                  const std::optional<at::Tensor>& draft_probs,
+                                  const at::Tensor& target_probs, const at::Tensor& is_greedy,
+                                  const at::Tensor& uniform, const at::Tensor& exponential) {
+  constexpr const char* op = "rejection_sample";
+  check_tensor(op, "draft_token_ids", draft_token_ids, {at::kLong}, 2);
+  const auto dev = draft_token_ids.device();
+  const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1);
+  check_tensor(op, "target_probs", target_probs, {at::kFloat}, 3, {bs, k + 1, kAny}, dev);
+  const int64_t v = target_probs.size(2);
+  DFLASH_CHECK(v > 0, op, "target_probs has an empty vocabulary");
+  if (draft_probs) check_tensor(op, "draft_probs", *draft_probs, {at::kFloat}, 3, {bs, k, v}, dev);
+  check_tensor(op, "is_greedy", is_greedy, {at::kBool}, 1, {bs}, dev);
+  check_tensor(op, "uniform", uniform, {at::kFloat}, 2, {bs, k}, dev);
+  check_tensor(op, "exponential", exponential, {at::kFloat}, 2, {bs, v}, dev);
+}
+
+// The first value check: every draft token indexes the vocabulary ([bs, k] host ids).
+inline void rejection_sample_ids(const int64_t* ids, int64_t bs, int64_t k, int64_t v) {
+  for (int64_t i = 0; i < bs * k; ++i)
+    DFLASH_CHECK(ids[i] >= 0 && ids[i] < v, "rejection_sample", "draft_token_ids[", i / k, ", ",
+                 i % k, "] = ", ids[i], " is outside the vocabulary of ", v);
+}
+
+// Checked after the probabilities ([bs, k] host uniforms).
+inline void rejection_sample_uniform(const float* u, int64_t bs, int64_t k) {
+  for (int64_t i = 0; i < bs * k; ++i)
+    DFLASH_CHECK(u[i] >= 0 && u[i] < 1, "rejection_sample", "uniform[", i / k, ", ", i % k,
+                 "] = ", py_float(u[i]), " is outside [0, 1)");
+}
+
+// ------------------------------------------------------------------------------- context_kv
+
+inline void context_kv_meta(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
+                            const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
+                            const std::optional<at::Tensor>& kv_bias,
+                            const at::Tensor& k_norm_weight, const at::Tensor& positions,
+                            const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+                            at::TensorList key_caches, at::TensorList value_caches, double eps) {
+  constexpr const char* op = "context_kv";
+  check_tensor(op, "hidden", hidden, kFloats, 2);
+  const auto dtype = hidden.scalar_type();
+  const auto dev = hidden.device();
+  const int64_t n = hidden.size(0), d_in = hidden.size(1);
+  int64_t h = d_in;
+  if (fc_weight) {
+    check_tensor(op, "fc_weight", *fc_weight, {dtype}, 2, {kAny, d_in}, dev);
+    h = fc_weight->size(0);
+  }
+  check_tensor(op, "hidden_norm_weight", hidden_norm_weight, {dtype}, 1, {h}, dev);
+  check_tensor(op, "k_norm_weight", k_norm_weight, {dtype}, 2, {}, dev);
+  const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
+  DFLASH_CHECK(d % 2 == 0, op, "head_dim ", d, " must be even for rotate-half RoPE");
+  DFLASH_CHECK(static_cast<int64_t>(key_caches.size()) == layers &&
+                   static_cast<int64_t>(value_caches.size()) == layers,
+               op, "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ",
+               key_caches.size(), " key and ", value_caches.size(), " value caches");
+  DFLASH_CHECK(layers > 0, op, "k_norm_weight must describe at least one layer");
+  check_tensor(op, "key_caches[0]", key_caches[0], {dtype}, 4, {}, dev);
+  const std::vector<int64_t> cache_shape = key_caches[0].sizes().vec();
+  const int64_t hkv = cache_shape[2];
+  DFLASH_CHECK(cache_shape[3] == d, op, "key_caches[0] has head_dim ", cache_shape[3],
+               ", k_norm_weight has ", d);
+  for (const auto& [name, caches] :
+       {std::pair{"key_caches", key_caches}, std::pair{"value_caches", value_caches}}) {
+    for (size_t i = 0; i < caches.size(); ++i)
+      check_tensor(op, std::string(name) + "[" + std::to_string(i) + "]", caches[i], {dtype}, 4,
+                   cache_shape, dev);
+  }
+  const int64_t rows = layers * 2 * hkv * d;
+  check_tensor(op, "kv_weight", kv_weight, {dtype}, 2, {}, dev);
+  DFLASH_CHECK(kv_weight.size(0) == rows && kv_weight.size(1) == h, op, "kv_weight has shape ",
+               shape_str(kv_weight), ", expected [", rows, ", ", h, "] (L=", layers,
+               " x 2 x Hkv=", hkv, " x D=", d, " rows, hidden ", h, ")");
+  if (kv_bias) check_tensor(op, "kv_bias", *kv_bias, {dtype}, 1, {rows}, dev);
+  check_tensor(op, "positions", positions, {at::kLong}, 1, {n}, dev);
+  check_tensor(op, "slot_mapping", slot_mapping, {at::kLong}, 1, {n}, dev);
+  check_tensor(op, "cos_sin_cache", cos_sin_cache, {at::kFloat}, 2, {kAny, d}, dev);
+  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", py_float(eps));
+}
+
+// Host positions and slots of the n tokens, against the cos/sin table and the caches.
+inline void context_kv_values(const int64_t* positions, const int64_t* slots, int64_t n,
+                              int64_t max_pos, int64_t num_blocks, int64_t block_size) {
+  constexpr const char* op = "context_kv";
+  for (int64_t t = 0; t < n; ++t)
+    DFLASH_CHECK(positions[t] >= 0 && positions[t] < max_pos, op, "positions[", t, "] = ",
+                 positions[t], " is out of range for a cos_sin_cache of ", max_pos, " positions");
+  const int64_t num_slots = num_blocks * block_size;
+  for (int64_t t = 0; t < n; ++t)
+    DFLASH_CHECK(slots[t] >= -1 && slots[t] < num_slots, op, "slot_mapping[", t, "] = ", slots[t],
+                 " is out of range for a cache of ", num_blocks, " blocks x ", block_size,
+                 " slots (valid: -1 to ", num_slots - 1, ")");
+}
+
+// -------------------------------------------------------------------------- paged_attention
+
+inline void paged_attention_meta(const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_table,
+                                 const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
+                                 double scale) {
+  constexpr const char* op = "paged_attention";
+  check_tensor(op, "query", query, kFloats, 3);
+  const auto dtype = query.scalar_type();
+  const auto dev = query.device();
+  const int64_t tq = query.size(0), hq = query.size(1), d = query.size(2);
+  check_tensor(op, "key", key, {dtype}, 3, {tq, kAny, d}, dev);
+  const int64_t hkv = key.size(1);
+  check_tensor(op, "value", value, {dtype}, 3, {tq, hkv, d}, dev);
+  DFLASH_CHECK(hkv > 0 && hq % hkv == 0, op, "query heads ", hq, " must be a multiple of kv heads ",
+               hkv);
+  check_tensor(op, "key_cache", key_cache, {dtype}, 4, {kAny, kAny, hkv, d}, dev);
+  check_tensor(op, "value_cache", value_cache, {dtype}, 4, key_cache.sizes(), dev);
+  check_tensor(op, "block_table", block_table, {at::kInt}, 2, {}, dev);
+  const int64_t b = block_table.size(0);
+  check_tensor(op, "context_lens", context_lens, {at::kInt}, 1, {b}, dev);
+  check_tensor(op, "cu_query_lens", cu_query_lens, {at::kInt}, 1, {b + 1}, dev);
+  DFLASH_CHECK(std::isfinite(scale), op, "scale must be finite, got ", py_float(scale));
+}
+
+// Host copies (contiguous) of the index tensors: `table` is [batch, max_blocks], `context_lens`
+// [batch], `cu` [batch + 1]; every block a sequence reads must exist.
+inline void paged_attention_values(int64_t tq, int64_t num_blocks, int64_t block_size,
+                                   const int32_t* table, int64_t batch, int64_t max_blocks,
+                                   const int32_t* context_lens, const int32_t* cu) {
+  constexpr const char* op = "paged_attention";
+  DFLASH_CHECK(cu[0] == 0, op, "cu_query_lens must start at 0, got ", cu[0]);
+  DFLASH_CHECK(cu[batch] == tq, op, "cu_query_lens must end at the ", tq, " query rows, got ",
+               cu[batch]);
+  for (int64_t b = 0; b < batch; ++b)
+    DFLASH_CHECK(cu[b] <= cu[b + 1], op, "cu_query_lens is not monotone at sequence ", b, ": ",
+                 cu[b], " > ", cu[b + 1]);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t ctx = context_lens[b];
+    DFLASH_CHECK(0 <= ctx && ctx <= max_blocks * block_size, op, "context_lens[", b, "] = ", ctx,
+                 " is out of range: the block table covers ", max_blocks, " blocks x ",
+                 block_size, " tokens");
+    const int64_t used = block_size > 0 ? (ctx + block_size - 1) / block_size : 0;
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = table[b * max_blocks + j];
+      DFLASH_CHECK(0 <= blk && blk < num_blocks, op, "block_table[", b, ", ", j, "] = ", blk,
+                   " is out of range for ", num_blocks, " cache blocks");
+    }
+  }
+}
+
+}  // namespace checks
+}  // namespace dflash
