@@ -75,7 +75,8 @@ def measure(batch, context, queries, hq, hkv, d, dtype, causal, block_size=16):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="batch 1 and context 2048 only")
+    parser.add_argument("--quick", action="store_true", help="batch 1 and context 2048 only "
+                        "(results files get a _quick suffix)")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores); the "
                         "results files get a _<n>thread suffix")
     opts = parser.parse_args()
@@ -83,6 +84,8 @@ def main() -> None:
     if opts.threads:
         torch.set_num_threads(opts.threads)
         suffix = f"_{opts.threads}thread"
+    if opts.quick:   # a spot check must not overwrite the full tables
+        suffix += "_quick"
     impl = dflash.ops.implementation("paged_attention")
     if impl == "reference":
         sys.exit("paged_attention has no compiled CPU kernel: build with "

@@ -10,8 +10,8 @@
 //   O += P V (register-blocked micro-kernel over the float32 V tile).
 // Inputs are converted to float32 on load, everything accumulates in float32, and the output is
 // rounded once to the input dtype.
-// bf16 / fp16 items with at least kMatrixQueryRows query tokens (long prompts) run both products
-// on the CPU's matrix engine instead (AMX on Sapphire Rapids, through ATen's brgemm; see
+// bf16 / fp16 items with at least kMatrixRows rows (blocks, verification, prefill) run both
+// products on the CPU's matrix engine instead (AMX on Sapphire Rapids, through ATen's brgemm; see
 // run_item_matrix).
 // Causal items stop at the last key their last row can see; only the tiles that cross the
 // diagonal are masked. Items are handed out dynamically, largest first, so ragged batches and
@@ -48,11 +48,10 @@ static_assert(kKeyTile % (kScoreVecs * kV) == 0);
 // Query vectors per work item: enough rows to amortize converting each K/V tile to float32 (long
 // prompts: 128 measured 15% faster than 64; the draft's 16 x group rows fit in one item anyway).
 constexpr int64_t kQueryVectors = 128;
-// Query tokens an item needs to take the matrix path. Every item re-lays out its K/V tiles for
-// brgemm, which only pays off over many query rows: prefill items (32-42 tokens) run up to 1.5x
-// faster than on the vector path, while DFlash blocks and verification (16 tokens) measured no
-// faster and decode (1 token) slower, so they stay on the vector path.
-constexpr int64_t kMatrixQueryRows = 32;
+// Matrix rows (query tokens x GQA group) an item needs to take the matrix path: from 16 rows (one
+// AMX tile) on, a DFlash block, verification and prefill run 1.5-2.4x faster there (one thread,
+// bf16, 2048 keys); decode items of 1-3 rows run 10-60% slower, so they stay on the vector path.
+constexpr int64_t kMatrixRows = 16;
 // Keys per matrix-path tile: large, so each brgemm call (a kernel lookup and a tile configuration)
 // does enough work.
 constexpr int64_t kMatrixKeys = 256;
@@ -208,11 +207,13 @@ struct Scratch {
   std::vector<float> q, o, s, k, kt, v, row_ref, row_sum;  // row_sum: kV partial sums per row
   std::vector<uint16_t> q16, p16;
   std::vector<uint32_t> kt_pairs, v_pairs;
+  std::vector<uint16_t> stage;  // K or V rows of one matrix-path tile, gathered
   bool used_matrix_engine = false;
   Scratch(int64_t m, int64_t d, int64_t dp)
       : q(m * d), o(m * dp), s(m * kMatrixKeys), k(kKeyTile * dp), kt(d * kKeyTile),
         v(kKeyTile * dp), row_ref(m), row_sum(m * kV), q16(m * d), p16(2 * m * kMatrixKeys),
-        kt_pairs(d / 2 * kMatrixKeys), v_pairs(kMatrixKeys / 2 * d) {}
+        kt_pairs(d / 2 * kMatrixKeys), v_pairs(kMatrixKeys / 2 * d),
+        stage(kMatrixKeys * d) {}
 };
 
 // The item's sequence: where its new tokens start, how many there are, its context and table.
@@ -350,6 +351,36 @@ bool matrix_engine_available() {
   }
 }
 
+// The `keys` rows (head_dim d, T = bf16 / fp16) copied to `stage` [keys][d], row after row.
+template <typename T>
+void gather_rows(const T* const* rows, int64_t keys, int64_t d, T* stage) {
+  for (int64_t t = 0; t < keys; ++t) std::memcpy(stage + t * d, rows[t], d * sizeof(T));
+}
+
+// K^T in brgemm's VNNI layout: dst[i][t] (row stride ld_dst) is dims 2i, 2i+1 of key t as one
+// 32-bit word, i.e. a transpose of the keys' [keys][d/2] words (bit moves, done as float32).
+template <typename T>
+void pack_keys(const T* const* rows, int64_t keys, int64_t d, T* stage, uint32_t* dst,
+               int64_t ld_dst) {
+  gather_rows(rows, keys, d, stage);
+  at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(stage), d / 2,
+                                reinterpret_cast<float*>(dst), ld_dst, keys, d / 2);
+}
+
+// V in brgemm's VNNI layout: dst[t / 2][c][t % 2] = v[t][c], an odd last key paired with zeros.
+template <typename T>
+void pack_values(const T* const* rows, int64_t keys, int64_t d, T* stage, T* dst) {
+  gather_rows(rows, keys, d, stage);
+#if defined(CPU_CAPABILITY_AVX512)
+  at::vec::pack_vnni2(stage, dst, d, keys, d);
+#else
+  for (int64_t t = 0; t < round_up(keys, 2); ++t) {
+    for (int64_t c = 0; c < d; ++c)
+      dst[(t / 2) * 2 * d + 2 * c + t % 2] = t < keys ? stage[t * d + c] : T(0);
+  }
+#endif
+}
+
 // run_item on the matrix engine (T = bf16 / fp16, even head_dim): S = Q K^T and O += P V are
 // brgemm calls with T operands and float32 accumulation. P is split into P_hi = T(P) and
 // P_lo = T(P - P_hi) and both are multiplied by V, so P keeps ~16 significant bits and the output
@@ -372,30 +403,18 @@ void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
   reset_rows(w, m, dp);
   const int64_t total = v.total(a, it);
   std::array<const T*, kTile> krows, vrows;
-  const int64_t half_d = d / 2;
+  auto* stage = reinterpret_cast<T*>(w.stage.data());
   for (int64_t j0 = 0; j0 < total; j0 += kTile) {
     const int64_t keys = std::min(kTile, total - j0), keys_even = round_up(keys, 2);
-    // VNNI layouts: K^T [d, keys] as [d/2][kTile] pairs (dims 2i, 2i+1 of one key), V [keys, d]
-    // as [keys/2][d] pairs (one dim of keys 2t, 2t+1), an odd last key paired with zeros.
     kv_rows(a, v, h, j0, keys, krows.data(), vrows.data());
-    for (int64_t t = 0; t < keys_even; ++t) {
-      auto* v16 = reinterpret_cast<uint16_t*>(w.v_pairs.data() + (t / 2) * d) + (t % 2);
-      if (t == keys) {  // an odd last key pairs with zeros
-        for (int64_t c = 0; c < d; ++c) v16[2 * c] = 0;
-        continue;
-      }
-      uint32_t key_pairs[512];  // head_dim <= 1024 (checked in run)
-      std::memcpy(key_pairs, krows[t], d * sizeof(T));
-      for (int64_t i = 0; i < half_d; ++i) w.kt_pairs[i * kTile + t] = key_pairs[i];
-      const auto* src = reinterpret_cast<const uint16_t*>(vrows[t]);
-      for (int64_t c = 0; c < d; ++c) v16[2 * c] = src[c];
-    }
+    pack_keys(krows.data(), keys, d, stage, w.kt_pairs.data(), kTile);
+    pack_values(vrows.data(), keys, d, stage, reinterpret_cast<T*>(w.v_pairs.data()));
     at::native::cpublas::brgemm(m, keys, d, d, kTile, kTile, false, q16,
                                 reinterpret_cast<const T*>(w.kt_pairs.data()), w.s.data());
     const int64_t vcols = round_up(keys, kV);
     for (int64_t r = 0; r < m; ++r) {
       float* srow = w.s.data() + r * kTile;
-      for (int64_t c = 0; c < keys; ++c) srow[c] *= a.scale;
+      for (int64_t c = 0; c < vcols; c += kV) (Vec::loadu(srow + c) * Vec(a.scale)).store(srow + c);
       const int64_t visible =
           a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
       softmax_row(srow, visible, vcols, w.row_ref[r], w.row_sum.data() + r * kV,
@@ -435,7 +454,7 @@ void run(const Args<T>& a, int64_t batch) {
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
       if constexpr (!std::is_same_v<T, float>) {
-        if (matrix && it.row_end - it.row_begin >= kMatrixQueryRows) {
+        if (matrix && (it.row_end - it.row_begin) * a.group >= kMatrixRows) {
           run_item_matrix(a, it, scratch);
           continue;
         }
