@@ -54,16 +54,17 @@ class Attention(nn.Module):
         self.o_bias = _param(a.hidden_size) if a.attention_bias else None
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, key_cache, value_cache):
-        t, dtype = x.shape[0], x.dtype
-        q, k, v = linear(x, self.qkv, self.qkv_bias).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-             self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, dtype, hq, hkv = x.shape[0], x.dtype, self.num_heads, self.num_kv_heads
+        qk, v = linear(x, self.qkv, self.qkv_bias).split(
+            [(hq + hkv) * self.head_dim, hkv * self.head_dim], dim=-1)
+        # q and k heads side by side, so RoPE runs once per layer (its small ops dominate the
+        # non-GEMM time of a decode step)
+        qk = qk.view(t, hq + hkv, self.head_dim)
+        v = v.view(t, hkv, self.head_dim)
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, cos_sin).to(dtype), apply_rope(k, cos_sin).to(dtype)
+            qk = torch.cat([rms_norm(qk[:, :hq], self.q_norm, self.eps),
+                            rms_norm(qk[:, hq:], self.k_norm, self.eps)], dim=1)
+        q, k = apply_rope(qk, cos_sin).to(dtype).split([hq, hkv], dim=1)
         out = ops.paged_attention(q, k, v, key_cache, value_cache, meta.block_table,
                                   meta.context_lens, meta.cu_query_lens, self.head_dim**-0.5,
                                   causal=True)
