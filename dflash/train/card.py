@@ -9,7 +9,7 @@ from pathlib import Path
 RECIPE_KEYS = ("num_layers", "intermediate_size", "block_size", "mask_token_id",
                "target_layer_ids", "gamma", "lr", "min_lr_ratio", "weight_decay", "warmup_steps",
                "total_steps", "seqs_per_step", "anchors_per_seq", "grad_clip",
-               "draft_vocab_size", "init_from_target_layers", "seed")
+               "draft_vocab_size", "init_from", "init_from_target_layers", "seed")
 
 
 def write_model_card(directory, tc, log: list[dict], train_rows: list[dict],
