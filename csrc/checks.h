@@ -155,8 +155,9 @@ inline void context_kv_meta(const at::Tensor& hidden, const std::optional<at::Te
   DFLASH_CHECK(d % 2 == 0, op, "head_dim ", d, " must be even for rotate-half RoPE");
   DFLASH_CHECK(static_cast<int64_t>(key_caches.size()) == layers &&
                    static_cast<int64_t>(value_caches.size()) == layers,
-               op, "expected ", layers, " key and value caches (one per layer of k_norm_weight), got ",
-               key_caches.size(), " key and ", value_caches.size(), " value caches");
+               op, "expected ", layers,
+               " key and value caches (one per layer of k_norm_weight), got ", key_caches.size(),
+               " key and ", value_caches.size(), " value caches");
   DFLASH_CHECK(layers > 0, op, "k_norm_weight must describe at least one layer");
   check_tensor(op, "key_caches[0]", key_caches[0], {dtype}, 4, {}, dev);
   const std::vector<int64_t> cache_shape = key_caches[0].sizes().vec();

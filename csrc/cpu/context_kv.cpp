@@ -202,11 +202,13 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                 const at::Tensor& slot_mapping, at::TensorList key_caches,
                 at::TensorList value_caches, double eps) {
-  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
-             cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
+  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
+                          k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
+                          value_caches, eps);
   const at::Tensor pos = positions.contiguous(), slots = slot_mapping.contiguous();
-  checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(), pos.numel(),
-               cos_sin_cache.size(0), key_caches[0].size(0), key_caches[0].size(1));
+  checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
+                            pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
+                            key_caches[0].size(1));
   check_layout(key_caches, value_caches);
 
   // The GEMMs and reductions below are internal: keep autograd out even for weights that

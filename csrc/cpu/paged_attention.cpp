@@ -50,7 +50,8 @@ static_assert(kKeyTile % (kScoreVecs * kV) == 0);
 constexpr int64_t kQueryVectors = 128;
 // Matrix rows (query tokens x GQA group) an item needs to take the matrix path: from 16 rows (one
 // AMX tile) on, a DFlash block, verification and prefill run 1.5-2.4x faster there (one thread,
-// bf16, 2048 keys); decode items of 1-3 rows run 10-60% slower, so they stay on the vector path.
+// bf16, 2048 keys); items of 1-3 rows (decode with a GQA group of 1-3) run 10-60% slower, so
+// items below 16 rows stay on the vector path.
 constexpr int64_t kMatrixRows = 16;
 // Keys per matrix-path tile: large, so each brgemm call (a kernel lookup and a tile configuration)
 // does enough work.
@@ -447,8 +448,7 @@ void run(const Args<T>& a, int64_t batch) {
   const int64_t m = rows_per_item * a.group;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
   std::atomic<int64_t> next{0};
-  const bool matrix =
-      matrix_engine_available<T>() && a.head_dim % 2 == 0 && a.head_dim <= 1024;
+  const bool matrix = matrix_engine_available<T>() && a.head_dim % 2 == 0;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch(m, a.head_dim, a.padded_dim);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
