@@ -156,8 +156,8 @@ def test_softmax_is_exact_when_scores_climb_across_the_context(slope, direction)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_output_is_rounded_once(dtype):
     """Inputs upcast exactly to float32, so the float32 reference on them is the exact result up to
-    float32 accumulation; one round-to-nearest-even to `dtype` then leaves half an ulp. Items of
-    16 or more rows (tokens x GQA group 4: sequence 0's) take the matrix-engine path on CPUs that
+    float32 accumulation; one round-to-nearest-even to `dtype` then leaves half an ulp. Causal
+    items of 32 or more tokens (sequence 0's first 32) take the matrix-engine path on CPUs that
     have one, whose P carries ~16 bits (P_hi + P_lo in `dtype`): its accumulation error is bounded
     by 2^-15 of sum(p |v|) / sum(p), the softmax-weighted mean of |v|, instead of float32's."""
     args = paged_attention_inputs(context_lens=(100, 9, 50), query_lens=(40, 1, 3), hq=8, hkv=2,
@@ -171,9 +171,32 @@ def test_low_precision_output_is_rounded_once(dtype):
                                             "value_cache": upcast["value_cache"].abs()})
     ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(exact.abs())))
     assert ((out - exact).abs() <= 0.5 * ulp + 2**-15 * weighted + 1e-6).all()
-    # sequences 1 and 2 (4 and 12 rows) run on the vector path: float32 throughout
-    tail = slice(40, None)
+    # the rest of sequence 0 and sequences 1 and 2 run on the vector path: float32 throughout
+    tail = slice(32, None)
     assert ((out - exact)[tail].abs() <= 0.5 * ulp[tail] + 1e-5 * exact[tail].abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
+def test_verification_rows_equal_decode_bit_for_bit(dtype, hq, hkv, d):
+    """Row i of a causal 16-token verification is exactly the 1-token decode of token i once
+    tokens 0..i-1 are cached: what makes DFlash output equal target-only output in bf16 too."""
+    ctx, n, bs = 100, 16, 16
+    args = paged_attention_inputs(context_lens=(ctx + n,), query_lens=(n,), hq=hq, hkv=hkv, d=d,
+                                  block_size=bs, extra_blocks=0, causal=True, dtype=dtype)
+    args["context_lens"] = torch.tensor([ctx], dtype=torch.int32)
+    verify = kernel(**args)
+    table = args["block_table"][0].long()
+    for i in range(n):
+        slot = ctx + i - 1
+        if i:   # token i-1 joins the cache, as the engine writes it after its step
+            args["key_cache"][table[slot // bs], slot % bs] = args["key"][i - 1]
+            args["value_cache"][table[slot // bs], slot % bs] = args["value"][i - 1]
+        decode = kernel(**{**args, "query": args["query"][i:i + 1], "key": args["key"][i:i + 1],
+                           "value": args["value"][i:i + 1],
+                           "context_lens": torch.tensor([ctx + i], dtype=torch.int32),
+                           "cu_query_lens": torch.tensor([0, 1], dtype=torch.int32)})
+        assert torch.equal(decode[0], verify[i]), f"row {i}"
 
 
 # --------------------------------------------------------------------- layouts and edge cases

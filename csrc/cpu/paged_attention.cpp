@@ -10,8 +10,8 @@
 //   O += P V (register-blocked micro-kernel over the float32 V tile).
 // Inputs are converted to float32 on load, everything accumulates in float32, and the output is
 // rounded once to the input dtype.
-// bf16 / fp16 items with at least kMatrixRows rows (blocks, verification, prefill) run both
-// products on the CPU's matrix engine instead (AMX on Sapphire Rapids, through ATen's brgemm; see
+// bf16 / fp16 draft blocks and long prompts (see uses_matrix_engine) run both products on the
+// CPU's matrix engine instead (AMX on Sapphire Rapids, through ATen's brgemm; see
 // run_item_matrix).
 // Causal items stop at the last key their last row can see; only the tiles that cross the
 // diagonal are masked. Items are handed out dynamically, largest first, so ragged batches and
@@ -50,9 +50,13 @@ static_assert(kKeyTile % (kScoreVecs * kV) == 0);
 constexpr int64_t kQueryVectors = 128;
 // Matrix rows (query tokens x GQA group) an item needs to take the matrix path: from 16 rows (one
 // AMX tile) on, a DFlash block, verification and prefill run 1.5-2.4x faster there (one thread,
-// bf16, 2048 keys); items of 1-3 rows (decode with a GQA group of 1-3) run 10-60% slower, so
-// items below 16 rows stay on the vector path.
+// bf16, 2048 keys); items of 1-3 rows (decode with a GQA group of 1-3) run 10-60% slower.
 constexpr int64_t kMatrixRows = 16;
+// Causal items need this many query tokens instead (prefill). The vector path computes each row
+// the same way however many rows share its item, so a 16-token verification reproduces 1-token
+// decoding bit for bit and DFlash output equals target-only output in bf16 as in float32; the
+// matrix path's rounding depends on the item's shape.
+constexpr int64_t kMatrixCausalTokens = 32;
 // Keys per matrix-path tile: large, so each brgemm call (a kernel lookup and a tile configuration)
 // does enough work.
 constexpr int64_t kMatrixKeys = 256;
@@ -431,6 +435,12 @@ void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
 }
 
 template <typename T>
+bool uses_matrix_engine(const Args<T>& a, const Item& it) {
+  const int64_t tokens = it.row_end - it.row_begin;
+  return a.causal ? tokens >= kMatrixCausalTokens : tokens * a.group >= kMatrixRows;
+}
+
+template <typename T>
 void run(const Args<T>& a, int64_t batch) {
   const int64_t rows_per_item = std::max<int64_t>(1, kQueryVectors / a.group);
   std::vector<Item> items;
@@ -454,7 +464,7 @@ void run(const Args<T>& a, int64_t batch) {
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
       if constexpr (!std::is_same_v<T, float>) {
-        if (matrix && (it.row_end - it.row_begin) * a.group >= kMatrixRows) {
+        if (matrix && uses_matrix_engine(a, it)) {
           run_item_matrix(a, it, scratch);
           continue;
         }
