@@ -48,9 +48,9 @@ static_assert(kKeyTile % (kScoreVecs * kV) == 0);
 // Query vectors per work item: enough rows to amortize converting each K/V tile to float32 (long
 // prompts: 128 measured 15% faster than 64; the draft's 16 x group rows fit in one item anyway).
 constexpr int64_t kQueryVectors = 128;
-// Matrix rows (query tokens x GQA group) an item needs to take the matrix path: from 16 rows (one
-// AMX tile) on, a DFlash block, verification and prefill run 1.5-2.4x faster there (one thread,
-// bf16, 2048 keys); items of 1-3 rows (decode with a GQA group of 1-3) run 10-60% slower.
+// Matrix rows (query tokens x GQA group) a non-causal item needs to take the matrix path: from 16
+// rows (one AMX tile) on, a DFlash block runs about 2x faster there (one thread, bf16, 2048 keys),
+// while items of 1-3 rows measured 10-60% slower.
 constexpr int64_t kMatrixRows = 16;
 // Causal items need this many query tokens instead (prefill). The vector path computes each row
 // the same way however many rows share its item, so a 16-token verification reproduces 1-token
