@@ -39,12 +39,12 @@ def unfused(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_we
     dtype = hidden.dtype
     layers, d = k_norm_weight.shape
     hkv = key_caches[0].shape[2]
-    c = reference.rms_norm(F.linear(hidden, fc_weight), hidden_norm_weight, eps).to(dtype)
+    c = reference.rms_norm_float32(F.linear(hidden, fc_weight), hidden_norm_weight, eps).to(dtype)
     kv = F.linear(c, kv_weight, kv_bias)
     kv = kv.view(-1, layers, 2, hkv, d).permute(1, 2, 0, 3, 4).contiguous()  # [L, 2, N, Hkv, D]
     cos_sin = cos_sin_cache[positions]
     for layer in range(layers):
-        k = reference.rope_neox(reference.rms_norm(kv[layer, 0], k_norm_weight[layer], eps),
+        k = reference.rope_neox(reference.rms_norm_float32(kv[layer, 0], k_norm_weight[layer], eps),
                                 cos_sin).to(dtype)
         key_caches[layer].view(-1, hkv, d).index_put_((slot_mapping,), k)
         value_caches[layer].view(-1, hkv, d).index_put_((slot_mapping,), kv[layer, 1])
@@ -75,7 +75,7 @@ def bench(n: int, dtype: torch.dtype, rounds: int) -> dict:
                              stacked=True, **SHAPE)
     compiled = torch.compile(unfused)
     check_agreement(args, compiled)        # also compiles
-    c = reference.rms_norm(F.linear(args["hidden"], args["fc_weight"]),
+    c = reference.rms_norm_float32(F.linear(args["hidden"], args["fc_weight"]),
                            args["hidden_norm_weight"], args["eps"]).to(dtype)
     variants = {"fused": lambda: ops.context_kv(**args), "eager": lambda: unfused(**args),
                 "compile": lambda: compiled(**args), "floor": lambda: gemms(args, c)}

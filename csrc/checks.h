@@ -1,4 +1,4 @@
-// Input validation of the three ops, shared by the CPU kernels (csrc/cpu) and the Ascend host code
+// Input validation of the ops, shared by the CPU kernels (csrc/cpu) and the Ascend host code
 // (csrc/npu/ascend_host.h): the rules, order and messages of dflash/checks.py, so one bad-input
 // test suite covers every implementation. Value checks read host memory; the NPU host copies the
 // small index tensors to the CPU first.
@@ -182,6 +182,16 @@ inline void context_kv_meta(const at::Tensor& hidden, const std::optional<at::Te
   DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", py_float(eps));
 }
 
+// Host slots of n tokens: -1 (skip) or a slot of a cache of num_blocks x block_size.
+inline void slot_mapping_values(const char* op, const int64_t* slots, int64_t n,
+                                int64_t num_blocks, int64_t block_size) {
+  const int64_t num_slots = num_blocks * block_size;
+  for (int64_t t = 0; t < n; ++t)
+    DFLASH_CHECK(slots[t] >= -1 && slots[t] < num_slots, op, "slot_mapping[", t, "] = ", slots[t],
+                 " is out of range for a cache of ", num_blocks, " blocks x ", block_size,
+                 " slots (valid: -1 to ", num_slots - 1, ")");
+}
+
 // Host positions and slots of the n tokens, against the cos/sin table and the caches.
 inline void context_kv_values(const int64_t* positions, const int64_t* slots, int64_t n,
                               int64_t max_pos, int64_t num_blocks, int64_t block_size) {
@@ -189,11 +199,7 @@ inline void context_kv_values(const int64_t* positions, const int64_t* slots, in
   for (int64_t t = 0; t < n; ++t)
     DFLASH_CHECK(positions[t] >= 0 && positions[t] < max_pos, op, "positions[", t, "] = ",
                  positions[t], " is out of range for a cos_sin_cache of ", max_pos, " positions");
-  const int64_t num_slots = num_blocks * block_size;
-  for (int64_t t = 0; t < n; ++t)
-    DFLASH_CHECK(slots[t] >= -1 && slots[t] < num_slots, op, "slot_mapping[", t, "] = ", slots[t],
-                 " is out of range for a cache of ", num_blocks, " blocks x ", block_size,
-                 " slots (valid: -1 to ", num_slots - 1, ")");
+  slot_mapping_values(op, slots, n, num_blocks, block_size);
 }
 
 // -------------------------------------------------------------------------- paged_attention
@@ -246,6 +252,66 @@ inline void paged_attention_values(int64_t tq, int64_t num_blocks, int64_t block
                    " is out of range for ", num_blocks, " cache blocks");
     }
   }
+}
+
+// ------------------------------------------------------------------------------ layer ops
+
+// `x` [..., H] is a float tensor of rank >= 1 with a non-empty last dim.
+inline void rows_input(const char* op, const at::Tensor& x) {
+  check_tensor(op, "x", x, kFloats, std::max<int64_t>(x.dim(), 1));
+  DFLASH_CHECK(x.size(-1) > 0, op, "x has shape ", shape_str(x), ", its last dim is empty");
+}
+
+inline void rms_norm_meta(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                          double eps) {
+  rows_input(op, x);
+  check_tensor(op, "weight", weight, kFloats, 1, {x.size(-1)}, x.device());
+  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", py_float(eps));
+}
+
+inline void add_rms_norm_meta(const at::Tensor& x, const at::Tensor& residual,
+                              const at::Tensor& weight, double eps) {
+  constexpr const char* op = "add_rms_norm";
+  rms_norm_meta(op, x, weight, eps);
+  check_tensor(op, "residual", residual, {x.scalar_type()}, x.dim(), x.sizes(), x.device());
+}
+
+inline void silu_and_mul_meta(const at::Tensor& x) {
+  constexpr const char* op = "silu_and_mul";
+  rows_input(op, x);
+  DFLASH_CHECK(x.size(-1) % 2 == 0, op, "x has shape ", shape_str(x),
+               ", its last dim (gate | up) must be even");
+}
+
+inline void qkv_rope_cache_meta(const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm_weight,
+                                const std::optional<at::Tensor>& k_norm_weight,
+                                const at::Tensor& cos_sin, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                int64_t num_heads, double eps) {
+  constexpr const char* op = "qkv_rope_cache";
+  check_tensor(op, "key_cache", key_cache, kFloats, 4);
+  const auto dtype = key_cache.scalar_type();
+  const auto dev = key_cache.device();
+  const int64_t hkv = key_cache.size(2), d = key_cache.size(3);
+  DFLASH_CHECK(d % 2 == 0, op, "head_dim ", d, " must be even for rotate-half RoPE");
+  check_tensor(op, "value_cache", value_cache, {dtype}, 4, key_cache.sizes(), dev);
+  DFLASH_CHECK(hkv > 0 && num_heads > 0 && num_heads % hkv == 0, op, "num_heads ", num_heads,
+               " must be a positive multiple of the caches' ", hkv, " kv heads");
+  check_tensor(op, "qkv", qkv, {dtype}, 2, {kAny, (num_heads + 2 * hkv) * d}, dev);
+  const int64_t t = qkv.size(0);
+  if (q_norm_weight) check_tensor(op, "q_norm_weight", *q_norm_weight, kFloats, 1, {d}, dev);
+  if (k_norm_weight) check_tensor(op, "k_norm_weight", *k_norm_weight, kFloats, 1, {d}, dev);
+  check_tensor(op, "cos_sin", cos_sin, {at::kFloat}, 2, {t, d}, dev);
+  check_tensor(op, "slot_mapping", slot_mapping, {at::kLong}, 1, {t}, dev);
+  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", py_float(eps));
+}
+
+inline void rope_meta(const at::Tensor& x, const at::Tensor& cos_sin) {
+  constexpr const char* op = "rope";
+  check_tensor(op, "x", x, kFloats, 3);
+  const int64_t d = x.size(2);
+  DFLASH_CHECK(d % 2 == 0, op, "head_dim ", d, " must be even for rotate-half RoPE");
+  check_tensor(op, "cos_sin", cos_sin, {at::kFloat}, 2, {x.size(0), d}, x.device());
 }
 
 }  // namespace checks

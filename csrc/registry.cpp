@@ -18,6 +18,16 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
+  // Beyond SPEC section 3: the decoder layer's small ops, each one call instead of several ATen
+  // calls (csrc/cpu/layer_ops.cpp; the PyTorch reference serves other devices).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos_sin) -> Tensor");
+  m.def(
+      "qkv_rope_cache(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, Tensor cos_sin, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads, "
+      "float eps) -> (Tensor, Tensor, Tensor)");
 }
 
 // `import dflash._C` loads the schemas; the module itself has no Python attributes.

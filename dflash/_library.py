@@ -5,7 +5,8 @@
   this host supports (as ATen sees it, so `ATEN_CPU_CAPABILITY` lowers it too) is loaded.
 * Every op gets a fake (meta) implementation here, so `torch.compile` and graph capture can
   trace it.
-* An op without a compiled CPU kernel falls back to its PyTorch reference for the CPU key.
+* An op without a compiled CPU kernel falls back to its PyTorch reference for the CPU key. The
+  layer ops (LAYER_OPS) have CPU kernels only; their reference serves every other device.
 * When the NPU build (`setup.py --device npu`) produced `dflash._npu_kernels`, torch_npu is
   imported and that library registers the PrivateUse1 (NPU) kernels. A CPU-only install never
   imports torch_npu.
@@ -25,7 +26,8 @@ from . import (
     reference,
 )
 
-OPS = ("context_kv", "paged_attention", "rejection_sample")
+LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache")
+OPS = ("context_kv", "paged_attention", "rejection_sample", *LAYER_OPS)
 _CAPABILITY_ORDER = ("AVX512", "AVX2", "DEFAULT")
 
 
@@ -71,6 +73,8 @@ for _op in OPS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash::{_op}", "CPU"):
         torch.library.register_kernel(f"dflash::{_op}", "cpu", getattr(reference, _op))
         _REFERENCE_FALLBACKS["CPU"].add(_op)
+for _op in LAYER_OPS:   # every device without its own kernel (CompositeExplicitAutograd)
+    torch.library.register_kernel(f"dflash::{_op}", None, getattr(reference, _op))
 
 
 @torch.library.register_fake("dflash::context_kv")
@@ -96,3 +100,37 @@ def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, is_greedy
                                  exponential)
     bs, k = draft_token_ids.shape
     return draft_token_ids.new_empty(bs, k + 1), draft_token_ids.new_empty(bs)
+
+
+@torch.library.register_fake("dflash::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    checks.rms_norm_meta(x, weight, eps)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("dflash::add_rms_norm")
+def _add_rms_norm_fake(x, residual, weight, eps):
+    checks.add_rms_norm_meta(x, residual, weight, eps)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+@torch.library.register_fake("dflash::silu_and_mul")
+def _silu_and_mul_fake(x):
+    checks.silu_and_mul_meta(x)
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.register_fake("dflash::rope")
+def _rope_fake(x, cos_sin):
+    checks.rope_meta(x, cos_sin)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("dflash::qkv_rope_cache")
+def _qkv_rope_cache_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
+                         slot_mapping, num_heads, eps):
+    checks.qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
+                               value_cache, slot_mapping, num_heads, eps)
+    t, (hkv, d) = qkv.shape[0], key_cache.shape[2:]
+    return qkv.new_empty(t, num_heads, d), qkv.new_empty(t, hkv, d), qkv.new_empty(t, hkv, d)

@@ -98,12 +98,17 @@ def context_kv_values(positions, cos_sin_cache, slot_mapping, key_caches) -> Non
         t = int(bad[0])
         fail(op, f"positions[{t}] = {int(positions[t])} is out of range for a cos_sin_cache "
                  f"of {max_pos} positions")
-    num_slots = key_caches[0].shape[0] * key_caches[0].shape[1]
+    slot_mapping_values(op, slot_mapping, key_caches[0])
+
+
+def slot_mapping_values(op: str, slot_mapping, cache) -> None:
+    """Every slot is -1 (skip) or a slot of `cache` [num_blocks, block_size, ...]."""
+    num_slots = cache.shape[0] * cache.shape[1]
     bad = ((slot_mapping < -1) | (slot_mapping >= num_slots)).nonzero()
     if len(bad):
         t = int(bad[0])
         fail(op, f"slot_mapping[{t}] = {int(slot_mapping[t])} is out of range for a cache of "
-                 f"{key_caches[0].shape[0]} blocks x {key_caches[0].shape[1]} slots "
+                 f"{cache.shape[0]} blocks x {cache.shape[1]} slots "
                  f"(valid: -1 to {num_slots - 1})")
 
 
@@ -203,3 +208,60 @@ def rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
     bad = (~((exponential > 0) & torch.isfinite(exponential))).any(-1).nonzero()
     if len(bad):
         fail(op, f"exponential row {int(bad[0])} must be positive and finite (Exp(1) noise)")
+
+
+# ---------------------------------------------------------------------------------------------
+# layer ops: rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache
+# ---------------------------------------------------------------------------------------------
+
+def _rows_input(op: str, x) -> None:
+    """`x` [..., H] is a float tensor of rank >= 1 with a non-empty last dim."""
+    tensor(op, "x", x, FLOAT_DTYPES, max(x.dim(), 1) if isinstance(x, torch.Tensor) else 1)
+    require(x.shape[-1] > 0, op, f"x has shape {_shape(x)}, its last dim is empty")
+
+
+def rms_norm_meta(x, weight, eps, op: str = "rms_norm") -> None:
+    _rows_input(op, x)
+    tensor(op, "weight", weight, FLOAT_DTYPES, 1, (x.shape[-1],), x.device)
+    require(eps >= 0, op, f"eps must be non-negative, got {eps}")
+
+
+def add_rms_norm_meta(x, residual, weight, eps) -> None:
+    op = "add_rms_norm"
+    rms_norm_meta(x, weight, eps, op)
+    tensor(op, "residual", residual, x.dtype, x.dim(), tuple(x.shape), x.device)
+
+
+def silu_and_mul_meta(x) -> None:
+    op = "silu_and_mul"
+    _rows_input(op, x)
+    require(x.shape[-1] % 2 == 0, op,
+            f"x has shape {_shape(x)}, its last dim (gate | up) must be even")
+
+
+def qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
+                        slot_mapping, num_heads, eps) -> None:
+    op = "qkv_rope_cache"
+    tensor(op, "key_cache", key_cache, FLOAT_DTYPES, 4)
+    dtype, dev = key_cache.dtype, key_cache.device
+    hkv, d = key_cache.shape[2:]
+    require(d % 2 == 0, op, f"head_dim {d} must be even for rotate-half RoPE")
+    tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
+    require(hkv > 0 and num_heads > 0 and num_heads % hkv == 0, op,
+            f"num_heads {num_heads} must be a positive multiple of the caches' {hkv} kv heads")
+    tensor(op, "qkv", qkv, dtype, 2, (None, (num_heads + 2 * hkv) * d), dev)
+    t = qkv.shape[0]
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None:
+            tensor(op, name, w, FLOAT_DTYPES, 1, (d,), dev)
+    tensor(op, "cos_sin", cos_sin, torch.float32, 2, (t, d), dev)
+    tensor(op, "slot_mapping", slot_mapping, torch.int64, 1, (t,), dev)
+    require(eps >= 0, op, f"eps must be non-negative, got {eps}")
+
+
+def rope_meta(x, cos_sin) -> None:
+    op = "rope"
+    tensor(op, "x", x, FLOAT_DTYPES, 3)
+    d = x.shape[2]
+    require(d % 2 == 0, op, f"head_dim {d} must be even for rotate-half RoPE")
+    tensor(op, "cos_sin", cos_sin, torch.float32, 2, (x.shape[0], d), x.device)

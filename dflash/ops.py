@@ -1,4 +1,5 @@
-"""Thin Python wrappers over `torch.ops.dflash.*` (SPEC section 3).
+"""Thin Python wrappers over `torch.ops.dflash.*`: the three ops of SPEC section 3 and the decoder
+layer's small ops (CPU kernels; the PyTorch reference on other devices).
 
 Each op validates its inputs itself (shape, dtype, device, index ranges, probability values) and
 raises ValueError naming the problem, whichever implementation serves it; these wrappers add the
@@ -103,3 +104,56 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     """
     return torch.ops.dflash.rejection_sample(draft_token_ids, draft_probs, target_probs,
                                              is_greedy, uniform, exponential)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, rounded once: x [..., H] -> [..., H] in x's dtype.
+
+    weight: [H], any float dtype."""
+    return torch.ops.dflash.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the next norm in one pass: (rms_norm(residual + x), residual + x).
+
+    x, residual: [..., H], one dtype; the sum is rounded to it before it is normalized (as
+    `residual + x` would be). weight: [H], any float dtype."""
+    return torch.ops.dflash.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gated MLP activation: x [..., 2I] = [gate | up] -> silu(gate) * up [..., I], float32 math."""
+    return torch.ops.dflash.silu_and_mul(x)
+
+
+def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE: x [T, H, D] -> [T, H, D] in x's dtype, float32 math.
+
+    cos_sin: [T, D] float32, token t's rows [cos(D/2) | sin(D/2)] (the model's table indexed by
+    the tokens' positions)."""
+    return torch.ops.dflash.rope(x, cos_sin)
+
+
+def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
+                   k_norm_weight: torch.Tensor | None, cos_sin: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   num_heads: int, eps: float = 1e-6
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's input in one pass: heads out of the fused QKV projection, the optional
+    per-head q/k RMSNorm (Qwen3), RoPE, and the new tokens' K/V written to the paged caches.
+
+    Args:
+        qkv: [T, (Hq + 2 * Hkv) * D], each token's q heads, then k heads, then v heads.
+        q_norm_weight, k_norm_weight: [D] (any float dtype) or None for no norm.
+        cos_sin: [T, D] float32, token t's rows [cos(D/2) | sin(D/2)].
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D] in qkv's dtype, written in place.
+        slot_mapping: [T] int64, slot = block * block_size + offset, or -1 (not stored).
+        num_heads: Hq.
+
+    Returns:
+        q [T, Hq, D], k [T, Hkv, D] (normed and rotated, float32 math rounded once) and v
+        [T, Hkv, D], contiguous, in qkv's dtype.
+    """
+    return torch.ops.dflash.qkv_rope_cache(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
+                                           value_cache, slot_mapping, num_heads, eps)

@@ -1,4 +1,5 @@
-"""Pure-PyTorch reference implementations of the three dflash operators (SPEC section 3).
+"""Pure-PyTorch reference implementations of the dflash operators: the three of SPEC section 3
+and the decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache).
 
 This module is the executable specification: every kernel (C++ CPU, Ascend C under emulation, NPU)
 is tested against it. It is written to be obviously right, not fast: explicit per-sequence loops,
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from . import checks
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in float32; returns float32."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
@@ -42,7 +43,7 @@ def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm
     checks.context_kv_values(positions, cos_sin_cache, slot_mapping, key_caches)
     dtype = hidden.dtype
     x = hidden if fc_weight is None else F.linear(hidden, fc_weight)
-    c = rms_norm(x, hidden_norm_weight, eps).to(dtype)
+    c = rms_norm_float32(x, hidden_norm_weight, eps).to(dtype)
     kv = F.linear(c, kv_weight, kv_bias)
 
     layers, head_dim = k_norm_weight.shape
@@ -50,7 +51,7 @@ def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm
     kv = kv.view(-1, layers, 2, hkv, head_dim)
     cos_sin = cos_sin_cache[positions]
     for layer in range(layers):
-        k = rms_norm(kv[:, layer, 0], k_norm_weight[layer], eps)
+        k = rms_norm_float32(kv[:, layer, 0], k_norm_weight[layer], eps)
         k = rope_neox(k, cos_sin).to(dtype)
         v = kv[:, layer, 1]
         for t, slot in enumerate(slot_mapping.tolist()):
@@ -156,3 +157,59 @@ def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, unif
         out[b, a] = final
         num_accepted[b] = a
     return out, num_accepted
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder layer's small ops: float32 math, one rounding to x's dtype per output.
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., H] (weight [H], any float dtype)."""
+    checks.rms_norm_meta(x, weight, eps)
+    return rms_norm_float32(x, weight, eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x); the sum is rounded to the dtype before the norm."""
+    checks.add_rms_norm_meta(x, residual, weight, eps)
+    total = residual + x
+    return rms_norm_float32(total, weight, eps).to(x.dtype), total
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    checks.silu_and_mul_meta(x)
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE of x [T, H, D] by cos_sin [T, D] = [cos(D/2) | sin(D/2)] (float32)."""
+    checks.rope_meta(x, cos_sin)
+    return rope_neox(x.float(), cos_sin).to(x.dtype)
+
+
+def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
+                   k_norm_weight: torch.Tensor | None, cos_sin: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   num_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split qkv [T, (Hq + 2 Hkv) D] into q [T, Hq, D], k, v [T, Hkv, D]; q and k heads are
+    RMSNormed (when a weight is given) and rotated in float32, rounded once; K and V are written
+    to the caches [num_blocks, block_size, Hkv, D] at slot_mapping (-1: skip)."""
+    checks.qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
+                               slot_mapping, num_heads, eps)
+    checks.slot_mapping_values("qkv_rope_cache", slot_mapping, key_cache)
+    t, (hkv, d) = qkv.shape[0], key_cache.shape[2:]
+    q, k, v = qkv.view(t, -1, d).split([num_heads, hkv, hkv], dim=1)
+
+    def norm_rope(x, weight):
+        x = x.float() if weight is None else rms_norm_float32(x, weight, eps)
+        return rope_neox(x, cos_sin).to(qkv.dtype)
+
+    q, k, v = norm_rope(q, q_norm_weight), norm_rope(k, k_norm_weight), v.contiguous()
+    keep = slot_mapping != -1
+    block, offset = slot_mapping[keep].div(key_cache.shape[1], rounding_mode="floor"), \
+        slot_mapping[keep] % key_cache.shape[1]
+    key_cache[block, offset], value_cache[block, offset] = k[keep], v[keep]
+    return q, k, v

@@ -14,17 +14,23 @@ CASES = {
         context_lens=(37, 5, 0), query_lens=(16, 16, 16), hq=8, hkv=2, d=64, block_size=16,
         dtype=dtype),
     "rejection_sample": lambda dtype: testing.rejection_sample_inputs(bs=4, k=15, v=1000),
+    **{op: lambda dtype, make=make: make(dtype) for op, make in testing.LAYER_OP_INPUTS.items()},
 }
 
 
 def _outputs(op: str, args: dict, result) -> torch.Tensor:
-    tensors = args["key_caches"] + args["value_caches"] if op == "context_kv" else result
-    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    """Everything the op produced: its results and the caches it writes, flattened."""
+    tensors = [] if op == "context_kv" else \
+        [result] if isinstance(result, torch.Tensor) else list(result)
+    for name in ("key_caches", "value_caches", "key_cache", "value_cache"):
+        tensors += args[name] if isinstance(args.get(name), list) else \
+            [args[name]] if name in args else []
     return torch.cat([t.float().flatten() for t in tensors])
 
 
 def _clone(args: dict) -> dict:
-    return {k: ([t.clone() for t in v] if isinstance(v, list) else v) for k, v in args.items()}
+    return {k: ([t.clone() for t in v] if isinstance(v, list) else
+                v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 
 def run() -> bool:

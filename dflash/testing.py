@@ -124,6 +124,50 @@ TINY_TARGETS = {
 }
 
 
+# Inputs of the decoder layer's small ops (small shapes; caches hold 12 slots).
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def rms_norm_inputs(dtype=torch.float32, shape=(5, 96)):
+    return {"x": _randn(*shape, dtype=dtype, scale=3), "eps": 1e-6,
+            "weight": (_randn(shape[-1], seed=1) * 0.5 + 1).to(dtype)}
+
+
+def add_rms_norm_inputs(dtype=torch.float32, shape=(5, 96)):
+    return {**rms_norm_inputs(dtype, shape), "residual": _randn(*shape, dtype=dtype, seed=2)}
+
+
+def silu_and_mul_inputs(dtype=torch.float32, shape=(5, 2 * 80)):
+    return {"x": _randn(*shape, dtype=dtype, scale=3)}
+
+
+def _cos_sin(t, d, seed=3):
+    angles = _randn(t, d // 2, seed=seed, scale=10)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def rope_inputs(dtype=torch.float32, shape=(5, 6, 32)):
+    return {"x": _randn(*shape, dtype=dtype), "cos_sin": _cos_sin(shape[0], shape[2])}
+
+
+def qkv_rope_cache_inputs(dtype=torch.float32, t=5, hq=4, hkv=2, d=32, norm=True):
+    cache = (3, 4, hkv, d)   # 12 slots
+    return {"qkv": _randn(t, (hq + 2 * hkv) * d, dtype=dtype),
+            "q_norm_weight": _randn(d, seed=4).to(dtype) if norm else None,
+            "k_norm_weight": _randn(d, seed=5).to(dtype) if norm else None,
+            "cos_sin": _cos_sin(t, d), "key_cache": _randn(*cache, dtype=dtype, seed=6),
+            "value_cache": _randn(*cache, dtype=dtype, seed=7),
+            "slot_mapping": torch.tensor([5, -1, 11, 0, 6])[:t], "num_heads": hq, "eps": 1e-6}
+
+
+LAYER_OP_INPUTS = {"rms_norm": rms_norm_inputs, "add_rms_norm": add_rms_norm_inputs,
+                   "silu_and_mul": silu_and_mul_inputs, "rope": rope_inputs,
+                   "qkv_rope_cache": qkv_rope_cache_inputs}
+
+
 def make_tiny_target(directory, kind: str = "qwen3", seed: int = 0, **overrides):
     """Save a tiny random Hugging Face target (float32) to `directory`; returns the HF model."""
     import transformers

@@ -356,15 +356,22 @@ def test_packed_bf16_draft_computes_the_unpacked_block_forward(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(1, 576), (16, 9, 64), (3, 100)])
-def test_model_rms_norm_is_the_reference_rounded_once(dtype, shape):
-    from dflash import reference
-    from dflash.models.layers import rms_norm
+def test_layer_functions_use_the_fused_ops_for_inference_and_autograd_for_training(dtype):
+    from dflash import ops, reference
+    from dflash.models.layers import add_rms_norm, rms_norm, rope, silu_and_mul
 
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape, generator=g) * 3).to(dtype)
-    weight = (torch.randn(shape[-1], generator=g) * 0.5 + 1).to(dtype)
-    expected = reference.rms_norm(x, weight, 1e-6).to(dtype)
-    torch.testing.assert_close(rms_norm(x, weight, 1e-6), expected, atol=0, rtol=0)
-    mixed = rms_norm(x, weight.float(), 1e-6)   # training: float32 weights under autocast
-    torch.testing.assert_close(mixed, reference.rms_norm(x, weight.float(), 1e-6).to(dtype))
+    x = (torch.randn(16, 9, 64, generator=g) * 3).to(dtype)
+    weight = (torch.randn(64, generator=g) * 0.5 + 1).to(dtype)
+    cos_sin = torch.randn(16, 64, generator=g)
+    with torch.inference_mode():
+        assert torch.equal(rms_norm(x, weight, 1e-6), ops.rms_norm(x, weight, 1e-6))
+        assert torch.equal(add_rms_norm(x, x, weight, 1e-6)[0], ops.add_rms_norm(x, x, weight,
+                                                                                 1e-6)[0])
+        assert torch.equal(rope(x, cos_sin), ops.rope(x, cos_sin))
+        assert torch.equal(silu_and_mul(x), ops.silu_and_mul(x))
+    w = weight.float().requires_grad_()   # training: float32 weights under autocast
+    out = rms_norm(x, w, 1e-6)
+    assert torch.equal(out, reference.rms_norm_float32(x, w, 1e-6).to(dtype))
+    out.float().sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()

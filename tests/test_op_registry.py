@@ -157,3 +157,11 @@ def test_implementation_report():
         dflash.ops.implementation("rejection_sample").startswith("kernel")
     with pytest.raises(ValueError, match="unknown dflash op"):
         dflash.ops.implementation("matmul")
+
+
+def test_selfcheck_runs_every_op_against_the_reference(capsys):
+    from dflash import _library, selfcheck
+
+    assert selfcheck.run()
+    lines = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in lines} == set(_library.OPS)

@@ -3,8 +3,94 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
 #include "checks.h"
+
+// The float dtypes the ops admit (checks::kFloats): float32, bfloat16, float16.
+#define DFLASH_DISPATCH_FLOATS(TYPE, NAME, ...)                               \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES(__VA_ARGS__))
+
+namespace dflash {
+
+// Elements of work a thread must get before a pass goes parallel: waking pool threads costs tens
+// of microseconds (far more on a busy machine), so small calls run on the calling thread.
+constexpr int64_t kMinWorkPerThread = 1 << 18;
+
+// dst[0:n] = float(src[0:n])
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    using bVec = at::vec::Vectorized<T>;
+    using fVec = at::vec::Vectorized<float>;
+    int64_t i = 0;
+    for (; i + bVec::size() <= n; i += bVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(bVec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + fVec::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+
+// 1 / sqrt(mean(x[0:n]^2) + eps), RMSNorm's float32 scale of one row.
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  using fVec = at::vec::Vectorized<float>;
+  const float sum_sq = at::vec::map_reduce_all<float>(
+      [](fVec v) { return v * v; }, [](fVec a, fVec b) { return a + b; }, x, n);
+  return 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+}
+
+// out[0:n] = x[0:n] * scale * weight[0:n] (out may be x)
+inline void scale_row(const float* x, float scale, const float* weight, float* out, int64_t n) {
+  using fVec = at::vec::Vectorized<float>;
+  const fVec s(scale);
+  at::vec::map2([&](fVec v, fVec w) { return v * s * w; }, out, x, weight, n);
+}
+
+// NeoX (rotate-half) RoPE of one head x[0:d] in place: pairs (i, i + d/2) turn by the angle whose
+// cosine and sine are cos[i], sin[i].
+inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
+  using fVec = at::vec::Vectorized<float>;
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; i += fVec::size()) {
+    const int count = static_cast<int>(std::min<int64_t>(fVec::size(), half - i));
+    const fVec x1 = fVec::loadu(x + i, count), x2 = fVec::loadu(x + half + i, count);
+    const fVec c = fVec::loadu(cos + i, count), s = fVec::loadu(sin + i, count);
+    (x1 * c - x2 * s).store(x + i, count);
+    (x2 * c + x1 * s).store(x + half + i, count);
+  }
+}
+
+// x[0:d] (float32, in place) = rope(rms_norm(x) * weight), one head.
+inline void norm_rope_head(float* x, const float* weight, const float* cos, const float* sin,
+                           int64_t d, float eps) {
+  scale_row(x, inv_rms(x, d, eps), weight, x, d);
+  rope_head(x, cos, sin, d);
+}
+
+// f(row, scratch) for rows [0, n) of `width` elements, in parallel when the work is large;
+// `scratch` holds 2 * width floats.
+template <typename F>
+void for_each_row(int64_t n, int64_t width, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(width, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(2 * width);
+    for (int64_t r = begin; r < end; ++r) f(r, scratch.data());
+  });
+}
+
+}  // namespace dflash

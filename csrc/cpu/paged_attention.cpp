@@ -60,6 +60,9 @@ constexpr int64_t kMatrixCausalTokens = 32;
 // Keys per matrix-path tile: large, so each brgemm call (a kernel lookup and a tile configuration)
 // does enough work.
 constexpr int64_t kMatrixKeys = 256;
+// Multiply-adds of QK^T (context x query rows x head_dim) below which a call runs on the calling
+// thread (one kv head of a decode step over ~100 cached tokens).
+constexpr int64_t kMinAttentionWork = 1 << 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kRescale = 8.f;  // see softmax_row
 constexpr int kAllLanes = (1 << kV) - 1;
@@ -210,15 +213,24 @@ struct Item {
 // 32-bit pairs of 16-bit values).
 struct Scratch {
   std::vector<float> q, o, s, k, kt, v, row_ref, row_sum;  // row_sum: kV partial sums per row
+  // The matrix path's buffers, allocated only when an item of the call takes that path.
   std::vector<uint16_t> q16, p16;
   std::vector<uint32_t> kt_pairs, v_pairs;
   std::vector<uint16_t> stage;  // K or V rows of one matrix-path tile, gathered
   bool used_matrix_engine = false;
-  Scratch(int64_t m, int64_t d, int64_t dp)
-      : q(m * d), o(m * dp), s(m * kMatrixKeys), k(kKeyTile * dp), kt(d * kKeyTile),
-        v(kKeyTile * dp), row_ref(m), row_sum(m * kV), q16(m * d), p16(2 * m * kMatrixKeys),
-        kt_pairs(d / 2 * kMatrixKeys), v_pairs(kMatrixKeys / 2 * d),
-        stage(kMatrixKeys * d) {}
+  // m: the most rows (query tokens x group) an item of the call has. A decode call gets buffers
+  // of a few KB: zero-filling buffers for the largest possible item cost more than its attention.
+  Scratch(int64_t m, int64_t d, int64_t dp, bool matrix)
+      : q(m * d), o(m * dp), s(m * (matrix ? kMatrixKeys : kKeyTile)), k(kKeyTile * dp),
+        kt(d * kKeyTile), v(kKeyTile * dp), row_ref(m), row_sum(m * kV) {
+    if (matrix) {
+      q16.resize(m * d);
+      p16.resize(2 * m * kMatrixKeys);
+      kt_pairs.resize(d / 2 * kMatrixKeys);
+      v_pairs.resize(kMatrixKeys / 2 * d);
+      stage.resize(kMatrixKeys * d);
+    }
+  }
 };
 
 // The item's sequence: where its new tokens start, how many there are, its context and table.
@@ -455,12 +467,22 @@ void run(const Args<T>& a, int64_t batch) {
   if (items.empty()) return;
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  const int64_t m = rows_per_item * a.group;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
-  std::atomic<int64_t> next{0};
+  // A decode step over a short context is a few microseconds of work: waking a pool thread for it
+  // costs more (tens of microseconds in a VM), so small calls run on the calling thread.
   const bool matrix = matrix_engine_available<T>() && a.head_dim % 2 == 0;
+  int64_t work = 0, max_rows = 0;
+  bool any_matrix = false;
+  for (const Item& it : items) {
+    work += it.cost;
+    max_rows = std::max(max_rows, it.row_end - it.row_begin);
+    any_matrix = any_matrix || (matrix && uses_matrix_engine(a, it));
+  }
+  const int64_t workers = work * a.group * a.head_dim < kMinAttentionWork
+                              ? 1
+                              : std::min<int64_t>(at::get_num_threads(), items.size());
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch(m, a.head_dim, a.padded_dim);
+    Scratch scratch(max_rows * a.group, a.head_dim, a.padded_dim, any_matrix);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
       if constexpr (!std::is_same_v<T, float>) {

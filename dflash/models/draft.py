@@ -18,11 +18,12 @@ from .. import ops
 from .config import DraftConfig
 from .layers import (
     AttentionMetadata,
-    apply_rope,
+    add_rms_norm,
     linear,
     pack_linear_weight,
     pack_parameter,
     rms_norm,
+    rope,
     rope_cos_sin,
 )
 from .target import MLP, _param
@@ -45,15 +46,16 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, cos_sin, kv_weight, kv_bias, k_norm, attend):
         """`attend(q, k, v)` runs attention of the block over context + block."""
-        t, dtype = x.shape[0], x.dtype
+        t = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
         q = linear(h, self.q, self.q_bias).view(t, self.num_heads, self.head_dim)
         kv = linear(h, kv_weight, kv_bias)
         k, v = kv.view(t, 2, self.num_kv_heads, self.head_dim).unbind(1)
-        q = apply_rope(rms_norm(q, self.q_norm, self.eps), cos_sin).to(dtype)
-        k = apply_rope(rms_norm(k, k_norm, self.eps), cos_sin).to(dtype)
-        x = x + linear(attend(q, k, v).reshape(t, -1), self.o, self.o_bias)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+        q = rope(rms_norm(q, self.q_norm, self.eps), cos_sin)
+        k = rope(rms_norm(k, k_norm, self.eps), cos_sin)
+        h, x = add_rms_norm(linear(attend(q, k, v).reshape(t, -1), self.o, self.o_bias), x,
+                            self.post_norm, self.eps)
+        return x + self.mlp(h)
 
 
 class DFlashDraft(nn.Module):

@@ -19,7 +19,7 @@ from .. import ops
 from .config import TargetConfig
 from .layers import (
     AttentionMetadata,
-    apply_rope,
+    add_rms_norm,
     linear,
     pack_linear_weight,
     pack_parameter,
@@ -54,24 +54,15 @@ class Attention(nn.Module):
         self.o_bias = _param(a.hidden_size) if a.attention_bias else None
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, key_cache, value_cache):
-        t, dtype, hq, hkv = x.shape[0], x.dtype, self.num_heads, self.num_kv_heads
-        qk, v = linear(x, self.qkv, self.qkv_bias).split(
-            [(hq + hkv) * self.head_dim, hkv * self.head_dim], dim=-1)
-        # q and k heads side by side, so RoPE runs once per layer (its small ops dominate the
-        # non-GEMM time of a decode step)
-        qk = qk.view(t, hq + hkv, self.head_dim)
-        v = v.view(t, hkv, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, :hq], self.q_norm, self.eps),
-                            rms_norm(qk[:, hq:], self.k_norm, self.eps)], dim=1)
-        q, k = apply_rope(qk, cos_sin).to(dtype).split([hq, hkv], dim=1)
+        # one call splits the heads, norms and rotates q/k and writes the new tokens' K/V to the
+        # cache (attention takes them directly as well, so the order does not matter)
+        q, k, v = ops.qkv_rope_cache(linear(x, self.qkv, self.qkv_bias), self.q_norm, self.k_norm,
+                                     cos_sin, key_cache, value_cache, meta.slot_mapping,
+                                     self.num_heads, self.eps)
         out = ops.paged_attention(q, k, v, key_cache, value_cache, meta.block_table,
                                   meta.context_lens, meta.cu_query_lens, self.head_dim**-0.5,
                                   causal=True)
-        # the new tokens' K/V join the cache after attention (they were passed directly)
-        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = linear(out.view(t, -1), self.o, self.o_bias)
+        out = linear(out.view(x.shape[0], -1), self.o, self.o_bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -140,10 +131,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, tp) if cfg.is_moe_layer(layer) else \
             MLP(h, cfg.intermediate_size, tp)
 
-    def forward(self, x, cos_sin, meta, key_cache, value_cache):
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), cos_sin, meta, key_cache,
-                          value_cache)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+    def forward(self, x, residual, cos_sin, meta, key_cache, value_cache):
+        """x: the previous layer's output, residual: the stream it adds to (None before the first
+        layer, where x is the embeddings). Returns the same pair for the next layer: each residual
+        add runs fused with the norm that follows it."""
+        if residual is None:
+            h, residual = rms_norm(x, self.input_norm, self.eps), x
+        else:
+            h, residual = add_rms_norm(x, residual, self.input_norm, self.eps)
+        h, residual = add_rms_norm(self.attn(h, cos_sin, meta, key_cache, value_cache), residual,
+                                   self.post_norm, self.eps)
+        return self.mlp(h), residual
 
 
 class TargetModel(nn.Module):
@@ -180,15 +178,16 @@ class TargetModel(nn.Module):
         The features are the residual streams after each layer in `capture_layers`, concatenated
         in that order: [T, len(capture_layers) * H].
         """
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.cos_sin[meta.positions]
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+            x, residual = layer(x, residual, cos_sin, meta, kv_cache[i, 0], kv_cache[i, 1])
             if i in capture_layers:
-                captured[i] = x
+                captured[i] = residual + x   # the stream after layer i
         features = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
-        return rms_norm(x, self.norm, self.cfg.attn.rms_norm_eps), features
+        hidden, _ = add_rms_norm(x, residual, self.norm, self.cfg.attn.rms_norm_eps)
+        return hidden, features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [T, V] (on every rank)."""

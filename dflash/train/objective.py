@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import DFlashDraft, TargetModel
-from ..models.layers import apply_rope, prefill_metadata, rms_norm
+from ..models.layers import prefill_metadata, rms_norm, rope
 
 
 @dataclass
@@ -76,7 +76,7 @@ def block_logits(draft: DFlashDraft, target: TargetModel, batch: Batch,
     for i, layer in enumerate(draft.layers):
         kv_w, kv_b = draft.layer_kv(i)
         ctx_k, ctx_v = F.linear(c, kv_w, kv_b).view(-1, 2, a.num_kv_heads, a.head_dim).unbind(1)
-        ctx_k = apply_rope(rms_norm(ctx_k, draft.k_norm[i], a.rms_norm_eps), ctx_cos_sin)
+        ctx_k = rope(rms_norm(ctx_k, draft.k_norm[i], a.rms_norm_eps), ctx_cos_sin)
         attend = partial(_attend, ctx_k, ctx_v, lengths, batch.anchors, masks, b)
         x = layer(x, cos_sin, kv_w, kv_b, draft.k_norm[i], attend)
     hidden = rms_norm(x, draft.norm, a.rms_norm_eps).view(-1, b, a.hidden_size)[:, 1:]

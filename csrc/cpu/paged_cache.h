@@ -1,0 +1,44 @@
+// Writing tokens' K/V rows into paged caches [num_blocks, block_size, Hkv, D] (context_kv and
+// qkv_rope_cache).
+#pragma once
+
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "cpu/common.h"
+
+namespace dflash {
+
+// Kernel-only limit: rows are stored as whole heads, so a cache needs a contiguous head_dim; every
+// other stride is free (separate tensors, views of one stacked tensor, K/V interleaved).
+inline void check_cache_layout(const char* op, const std::string& name, const at::Tensor& cache) {
+  DFLASH_CHECK(cache.size(3) <= 1 || cache.stride(3) == 1, op, name, " has strides ",
+               cache.strides(), "; the CPU kernel needs a contiguous head_dim (stride 1 in dim 3)");
+}
+
+template <typename T>
+struct CacheView {
+  T* data;
+  int64_t block_size, block_stride, slot_stride, head_stride;
+
+  explicit CacheView(const at::Tensor& cache)
+      : data(cache.mutable_data_ptr<T>()), block_size(cache.size(1)),
+        block_stride(cache.stride(0)), slot_stride(cache.stride(1)),
+        head_stride(cache.stride(2)) {}
+  T* slot(int64_t slot) const {
+    return data + slot / block_size * block_stride + slot % block_size * slot_stride;
+  }
+};
+
+// Tokens that store: slot != -1, and no later token maps to the same slot (the reference writes
+// tokens in order, so the last one wins; skipping the others keeps a parallel pass race-free).
+inline std::vector<uint8_t> tokens_to_store(const int64_t* slots, int64_t n) {
+  std::vector<uint8_t> store(n, 0);
+  std::unordered_set<int64_t> taken;
+  taken.reserve(n);
+  for (int64_t t = n - 1; t >= 0; --t) store[t] = slots[t] != -1 && taken.insert(slots[t]).second;
+  return store;
+}
+
+}  // namespace dflash

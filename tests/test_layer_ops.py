@@ -1,0 +1,188 @@
+"""The decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache):
+the compiled CPU kernels against the PyTorch reference, row independence, cache writes, clear
+errors for bad input, and the fake implementations."""
+
+import pytest
+import torch
+
+from dflash import _library, ops, reference, testing
+from dflash.testing import (
+    add_rms_norm_inputs,
+    qkv_rope_cache_inputs,
+    rms_norm_inputs,
+    rope_inputs,
+    silu_and_mul_inputs,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+INPUTS = testing.LAYER_OP_INPUTS
+
+
+def _run(fn, args):
+    """fn on copies of the caches; returns its outputs plus the caches it wrote, as a tuple."""
+    args = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    out = fn(**args)
+    out = out if isinstance(out, tuple) else (out,)
+    return out + tuple(args[k] for k in ("key_cache", "value_cache") if k in args)
+
+
+def _assert_close_in_dtype(got, expected):
+    """Float32 math in another order: a few float32 ulps, which rounding to a narrower dtype can
+    turn into one ulp of that dtype."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    eps = torch.finfo(expected.dtype).eps
+    scale = float(expected.float().abs().max())
+    torch.testing.assert_close(got.float(), expected.float(), rtol=4 * eps, atol=4 * eps * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", INPUTS)
+def test_kernel_matches_reference(op, dtype):
+    args = INPUTS[op](dtype)
+    for got, expected in zip(_run(getattr(torch.ops.dflash, op), args),
+                             _run(getattr(reference, op), args), strict=True):
+        _assert_close_in_dtype(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_and_norms_match_closed_forms(dtype):
+    """Independent of the reference: silu(g) * u = g * u / (1 + e^-g); a constant row normalizes
+    to the weight; the residual sum is the dtype's own addition."""
+    g, u = torch.tensor([[0.0, 2.0, -3.0]]), torch.tensor([[5.0, 0.5, 2.0]])
+    got = ops.silu_and_mul(torch.cat([g, u], -1).to(dtype)).float()
+    torch.testing.assert_close(got, (g * u / (1 + torch.exp(-g))).to(dtype).float())
+    w = torch.tensor([1.0, 2.0, -0.5, 4.0]).to(dtype)
+    x = torch.full((2, 4), -3.0, dtype=dtype)
+    torch.testing.assert_close(ops.rms_norm(x, w, 0.0), -w.expand(2, 4))
+    r = torch.full((2, 4), 7.5, dtype=dtype)
+    normed, total = ops.add_rms_norm(x, r, w, 0.0)
+    assert torch.equal(total, x + r)
+    torch.testing.assert_close(normed, w.expand(2, 4).clone())
+
+
+def test_rope_rotates_pairs_by_the_angle():
+    """Rotating (1, 0) pairs by angle a gives (cos a, sin a); rotating back restores x."""
+    d, angles = 8, torch.tensor([[0.3, 1.0, -2.0, 3.1]])
+    x = torch.cat([torch.ones(1, 1, d // 2), torch.zeros(1, 1, d // 2)], -1)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
+    out = ops.rope(x, cos_sin)
+    torch.testing.assert_close(out[0, 0], cos_sin[0])
+    back = ops.rope(out, torch.cat([angles.cos(), -angles.sin()], -1))
+    torch.testing.assert_close(back, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", INPUTS)
+def test_a_row_does_not_depend_on_the_rows_beside_it(op, dtype):
+    """Each row is computed alone, bit for bit: a 16-token verification row equals the decode of
+    that token (what keeps DFlash output equal to target-only output in low precision)."""
+    args = INPUTS[op](dtype)
+    rows = {k for k in ("x", "residual", "qkv", "cos_sin", "slot_mapping") if k in args}
+    together = _run(getattr(torch.ops.dflash, op), args)
+    n = args["x" if "x" in args else "qkv"].shape[0]
+    for i in range(n):
+        alone = _run(getattr(torch.ops.dflash, op), {
+            k: v[i:i + 1] if k in rows else v for k, v in args.items()})
+        outputs = together[:len(together) - 2] if op == "qkv_rope_cache" else together
+        for full, one in zip(outputs, alone):
+            assert torch.equal(full[i:i + 1], one)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qkv_rope_cache_writes_k_and_v_at_their_slots_only(dtype):
+    args = qkv_rope_cache_inputs(dtype)
+    q, k, v, key_cache, value_cache = _run(ops.qkv_rope_cache, args)
+    hkv, d = args["key_cache"].shape[2:]
+    flat_k, flat_v = key_cache.view(-1, hkv, d), value_cache.view(-1, hkv, d)
+    before_k, before_v = args["key_cache"].view(-1, hkv, d), args["value_cache"].view(-1, hkv, d)
+    slots = args["slot_mapping"].tolist()
+    for i, slot in enumerate(slots):
+        if slot != -1:
+            assert torch.equal(flat_k[slot], k[i]) and torch.equal(flat_v[slot], v[i])
+    untouched = [s for s in range(flat_k.shape[0]) if s not in slots]
+    assert torch.equal(flat_k[untouched], before_k[untouched])
+    assert torch.equal(flat_v[untouched], before_v[untouched])
+    # v is the projection's v heads as they are
+    t, hq = args["qkv"].shape[0], args["num_heads"]
+    assert torch.equal(v, args["qkv"].view(t, -1, d)[:, hq + hkv:])
+
+
+def test_qkv_rope_cache_without_norm_is_rope_of_the_heads():
+    args = qkv_rope_cache_inputs(norm=False)
+    q, k, _ = ops.qkv_rope_cache(**args)
+    t, hq, d = args["qkv"].shape[0], args["num_heads"], args["key_cache"].shape[3]
+    heads = args["qkv"].view(t, -1, d)
+    assert torch.equal(q, ops.rope(heads[:, :hq].contiguous(), args["cos_sin"]))
+    assert torch.equal(k, ops.rope(heads[:, hq:hq + k.shape[1]].contiguous(), args["cos_sin"]))
+
+
+def test_qkv_rope_cache_writes_strided_per_layer_cache_views():
+    """The engine passes views of one stacked [layers, 2, blocks, block_size, Hkv, D] cache."""
+    args = qkv_rope_cache_inputs()
+    stacked = torch.zeros(2, 2, *args["key_cache"].shape)
+    expected = _run(reference.qkv_rope_cache, {**args, "key_cache": stacked[1, 0].clone(),
+                                               "value_cache": stacked[1, 1].clone()})
+    ops.qkv_rope_cache(**{**args, "key_cache": stacked[1, 0], "value_cache": stacked[1, 1]})
+    _assert_close_in_dtype(stacked[1, 0], expected[3])
+    assert torch.equal(stacked[1, 1], expected[4]) and not stacked[0].any()
+
+
+def _bad_inputs():
+    """(op, message pattern, changed arguments)."""
+    r, a, s = rms_norm_inputs(), add_rms_norm_inputs(), silu_and_mul_inputs()
+    p, q = rope_inputs(), qkv_rope_cache_inputs()
+    return [
+        ("rms_norm", "x has dtype torch.int64", {"x": r["x"].long()}),
+        ("rms_norm", "weight has shape \\[95\\], expected size 96", {"weight": r["weight"][:-1]}),
+        ("rms_norm", "x has shape \\[5, 0\\], its last dim is empty", {"x": r["x"][:, :0]}),
+        ("rms_norm", "eps must be non-negative, got -1.0", {"eps": -1.0}),
+        ("add_rms_norm", "residual has dtype torch.float16", {"residual": a["residual"].half()}),
+        ("add_rms_norm", "residual has shape \\[4, 96\\]", {"residual": a["residual"][:4]}),
+        ("silu_and_mul", "its last dim \\(gate \\| up\\) must be even", {"x": s["x"][:, :-1]}),
+        ("rope", "x must be 3-D", {"x": p["x"][0]}),
+        ("rope", "head_dim 31 must be even", {"x": p["x"][..., :31]}),
+        ("rope", "cos_sin has shape \\[4, 32\\], expected size 5 in dim 0",
+         {"cos_sin": p["cos_sin"][:4]}),
+        ("rope", "cos_sin has dtype torch.bfloat16", {"cos_sin": p["cos_sin"].bfloat16()}),
+        ("qkv_rope_cache", "num_heads 3 must be a positive multiple of the caches' 2 kv heads",
+         {"num_heads": 3}),
+        ("qkv_rope_cache", "qkv has shape \\[5, 255\\], expected size 256 in dim 1",
+         {"qkv": q["qkv"][:, :-1]}),
+        ("qkv_rope_cache", "qkv has dtype torch.bfloat16", {"qkv": q["qkv"].bfloat16()}),
+        ("qkv_rope_cache", "k_norm_weight has shape \\[31\\]",
+         {"k_norm_weight": q["k_norm_weight"][:-1]}),
+        ("qkv_rope_cache", "value_cache has shape", {"value_cache": q["value_cache"][:2]}),
+        ("qkv_rope_cache", "slot_mapping has dtype torch.int32",
+         {"slot_mapping": q["slot_mapping"].int()}),
+        ("qkv_rope_cache", "slot_mapping\\[2\\] = 12 is out of range for a cache of 3 blocks x 4 "
+                           "slots \\(valid: -1 to 11\\)",
+         {"slot_mapping": q["slot_mapping"].index_fill(0, torch.tensor([2]), 12)}),
+        ("qkv_rope_cache", "slot_mapping\\[0\\] = -2 is out of range",
+         {"slot_mapping": q["slot_mapping"].index_fill(0, torch.tensor([0]), -2)}),
+        ("qkv_rope_cache", "cos_sin has shape \\[5, 30\\]", {"cos_sin": q["cos_sin"][:, :30]}),
+    ]
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch.ops"])
+@pytest.mark.parametrize("op, pattern, change", _bad_inputs())
+def test_bad_input_raises_clear_error_before_writing(op, pattern, change, impl):
+    fn = getattr(reference, op) if impl == "reference" else getattr(torch.ops.dflash, op)
+    args = {**INPUTS[op](), **change}
+    caches = [args[k].clone() for k in ("key_cache", "value_cache") if k in args]
+    with pytest.raises(ValueError, match=f"^{op}: .*{pattern}"):
+        fn(**args)
+    for before, name in zip(caches, ("key_cache", "value_cache")):
+        assert torch.equal(before, args[name])
+
+
+@pytest.mark.parametrize("op", INPUTS)
+def test_opcheck(op):
+    torch.library.opcheck(getattr(torch.ops.dflash, op), (), INPUTS[op]())
+
+
+def test_every_layer_op_has_inputs_and_a_kernel():
+    assert set(INPUTS) == set(_library.LAYER_OPS)
+    for op in _library.LAYER_OPS:
+        assert ops.implementation(op).startswith("kernel"), op
