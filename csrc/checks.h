@@ -293,7 +293,8 @@ inline void qkv_rope_cache_meta(const at::Tensor& qkv, const std::optional<at::T
   const auto dtype = key_cache.scalar_type();
   const auto dev = key_cache.device();
   const int64_t hkv = key_cache.size(2), d = key_cache.size(3);
-  DFLASH_CHECK(d % 2 == 0, op, "head_dim ", d, " must be even for rotate-half RoPE");
+  DFLASH_CHECK(d > 0 && d % 2 == 0, op, "head_dim ", d,
+               " must be positive and even for rotate-half RoPE");
   check_tensor(op, "value_cache", value_cache, {dtype}, 4, key_cache.sizes(), dev);
   DFLASH_CHECK(hkv > 0 && num_heads > 0 && num_heads % hkv == 0, op, "num_heads ", num_heads,
                " must be a positive multiple of the caches' ", hkv, " kv heads");
@@ -310,7 +311,8 @@ inline void rope_meta(const at::Tensor& x, const at::Tensor& cos_sin) {
   constexpr const char* op = "rope";
   check_tensor(op, "x", x, kFloats, 3);
   const int64_t d = x.size(2);
-  DFLASH_CHECK(d % 2 == 0, op, "head_dim ", d, " must be even for rotate-half RoPE");
+  DFLASH_CHECK(d > 0 && d % 2 == 0, op, "head_dim ", d,
+               " must be positive and even for rotate-half RoPE");
   check_tensor(op, "cos_sin", cos_sin, {at::kFloat}, 2, {x.size(0), d}, x.device());
 }
 

@@ -245,7 +245,8 @@ def qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, v
     tensor(op, "key_cache", key_cache, FLOAT_DTYPES, 4)
     dtype, dev = key_cache.dtype, key_cache.device
     hkv, d = key_cache.shape[2:]
-    require(d % 2 == 0, op, f"head_dim {d} must be even for rotate-half RoPE")
+    require(d > 0 and d % 2 == 0, op,
+            f"head_dim {d} must be positive and even for rotate-half RoPE")
     tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
     require(hkv > 0 and num_heads > 0 and num_heads % hkv == 0, op,
             f"num_heads {num_heads} must be a positive multiple of the caches' {hkv} kv heads")
@@ -263,5 +264,6 @@ def rope_meta(x, cos_sin) -> None:
     op = "rope"
     tensor(op, "x", x, FLOAT_DTYPES, 3)
     d = x.shape[2]
-    require(d % 2 == 0, op, f"head_dim {d} must be even for rotate-half RoPE")
+    require(d > 0 and d % 2 == 0, op,
+            f"head_dim {d} must be positive and even for rotate-half RoPE")
     tensor(op, "cos_sin", cos_sin, torch.float32, 2, (x.shape[0], d), x.device)

@@ -166,14 +166,14 @@ def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, unif
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., H] (weight [H], any float dtype)."""
     checks.rms_norm_meta(x, weight, eps)
-    return rms_norm_float32(x, weight, eps).to(x.dtype)
+    return rms_norm_float32(x, weight, eps).to(x.dtype).contiguous()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x); the sum is rounded to the dtype before the norm."""
     checks.add_rms_norm_meta(x, residual, weight, eps)
-    total = residual + x
+    total = (residual + x).contiguous()
     return rms_norm_float32(total, weight, eps).to(x.dtype), total
 
 
@@ -181,7 +181,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     checks.silu_and_mul_meta(x)
     gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    return (F.silu(gate) * up).to(x.dtype).contiguous()
 
 
 def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -196,7 +196,8 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
                    num_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv [T, (Hq + 2 Hkv) D] into q [T, Hq, D], k, v [T, Hkv, D]; q and k heads are
     RMSNormed (when a weight is given) and rotated in float32, rounded once; K and V are written
-    to the caches [num_blocks, block_size, Hkv, D] at slot_mapping (-1: skip)."""
+    to the caches [num_blocks, block_size, Hkv, D] at slot_mapping (-1: skip; of tokens sharing a
+    slot, the last one's K/V stay)."""
     checks.qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
                                slot_mapping, num_heads, eps)
     checks.slot_mapping_values("qkv_rope_cache", slot_mapping, key_cache)
@@ -207,9 +208,13 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
         x = x.float() if weight is None else rms_norm_float32(x, weight, eps)
         return rope_neox(x, cos_sin).to(qkv.dtype)
 
-    q, k, v = norm_rope(q, q_norm_weight), norm_rope(k, k_norm_weight), v.contiguous()
-    keep = slot_mapping != -1
-    block, offset = slot_mapping[keep].div(key_cache.shape[1], rounding_mode="floor"), \
-        slot_mapping[keep] % key_cache.shape[1]
-    key_cache[block, offset], value_cache[block, offset] = k[keep], v[keep]
+    q, k, v = norm_rope(q, q_norm_weight), norm_rope(k, k_norm_weight), v.clone()
+    # tokens are written in order: of tokens sharing a slot the last one wins
+    slots, order = slot_mapping.sort(stable=True)
+    last = torch.ones_like(slots, dtype=torch.bool)
+    last[:-1] = slots[1:] != slots[:-1]
+    tokens = order[last & (slots != -1)]
+    block = slot_mapping[tokens].div(key_cache.shape[1], rounding_mode="floor")
+    offset = slot_mapping[tokens] % key_cache.shape[1]
+    key_cache[block, offset], value_cache[block, offset] = k[tokens], v[tokens]
     return q, k, v

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -44,7 +45,6 @@ inline void load_row(const T* src, float* dst, int64_t n) {
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
-
 
 // 1 / sqrt(mean(x[0:n]^2) + eps), RMSNorm's float32 scale of one row.
 inline float inv_rms(const float* x, int64_t n, float eps) {
@@ -82,14 +82,14 @@ inline void norm_rope_head(float* x, const float* weight, const float* cos, cons
   rope_head(x, cos, sin, d);
 }
 
-// f(row, scratch) for rows [0, n) of `width` elements, in parallel when the work is large;
-// `scratch` holds 2 * width floats.
+// f(row, scratch) for rows [0, n) of `width` elements each, in parallel when the work is large;
+// `scratch` holds `scratch_floats` uninitialized floats per thread.
 template <typename F>
-void for_each_row(int64_t n, int64_t width, const F& f) {
+void for_each_row(int64_t n, int64_t width, int64_t scratch_floats, const F& f) {
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(width, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(2 * width);
-    for (int64_t r = begin; r < end; ++r) f(r, scratch.data());
+    const std::unique_ptr<float[]> scratch(new float[std::max<int64_t>(scratch_floats, 1)]);
+    for (int64_t r = begin; r < end; ++r) f(r, scratch.get());
   });
 }
 

@@ -14,10 +14,8 @@
 #include "cpu/common.h"
 #include "cpu/paged_cache.h"
 
-#include <cmath>
 #include <cstring>
 
-#define CKV_CHECK(cond, ...) DFLASH_CHECK(cond, "context_kv", __VA_ARGS__)
 
 namespace dflash::context_kv {
 namespace {

@@ -14,8 +14,6 @@
 #include "cpu/common.h"
 #include "cpu/paged_cache.h"
 
-#include <vector>
-
 namespace dflash::layer_ops {
 namespace {
 
@@ -30,6 +28,12 @@ const float* as_float(const T* src, float* scratch, int64_t n) {
     load_row(src, scratch, n);
     return scratch;
   }
+}
+
+// Scratch floats a row pass needs for `n` values of T: none for float, which works in place.
+template <typename T>
+constexpr int64_t scratch_for(int64_t n) {
+  return std::is_same_v<T, float> ? 0 : n;
 }
 
 // Where a float32 result for dst goes before its one rounding: dst itself for float.
@@ -69,7 +73,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    for_each_row(n, h, [&](int64_t r, float* scratch) {
+    for_each_row(n, h, scratch_for<scalar_t>(h), [&](int64_t r, float* scratch) {
       norm_row(as_float(xp + r * h, scratch, h), wp, static_cast<float>(eps), h, scratch,
                op + r * h);
     });
@@ -90,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     const scalar_t* rp = rc.const_data_ptr<scalar_t>();
     scalar_t *op = out.mutable_data_ptr<scalar_t>(), *sp = sum.mutable_data_ptr<scalar_t>();
-    for_each_row(n, h, [&](int64_t r, float* scratch) {
+    for_each_row(n, h, scratch_for<scalar_t>(2 * h), [&](int64_t r, float* scratch) {
       const float* a = as_float(xp + r * h, scratch, h);
       const float* b = as_float(rp + r * h, scratch + h, h);
       float* s = result_buffer(sp + r * h, scratch);
@@ -115,7 +119,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    for_each_row(n, width, [&](int64_t r, float* scratch) {
+    for_each_row(n, width, scratch_for<scalar_t>(width), [&](int64_t r, float* scratch) {
       const float* gate = as_float(xp + r * width, scratch, half);
       const float* up = as_float(xp + r * width + half, scratch + half, half);
       float* o = result_buffer(op + r * half, scratch);
@@ -137,7 +141,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos_sin) {
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "rope", [&] {
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    for_each_row(t, heads * d, [&](int64_t r, float* scratch) {
+    for_each_row(t, heads * d, scratch_for<scalar_t>(d), [&](int64_t r, float* scratch) {
       const float* cos = csp + r * d;
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t offset = (r * heads + h) * d;
@@ -183,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_cache(
     const scalar_t* xp = src.const_data_ptr<scalar_t>();
     scalar_t *qp = q.mutable_data_ptr<scalar_t>(), *kp = k.mutable_data_ptr<scalar_t>(),
              *vp = v.mutable_data_ptr<scalar_t>();
-    for_each_row(t, width, [&](int64_t r, float* head) {
+    for_each_row(t, width, d, [&](int64_t r, float* head) {
       const float* cos = csp + r * d;
       const scalar_t* row = xp + r * width;
       for (int64_t h = 0; h < hq + hkv; ++h) {

@@ -86,7 +86,7 @@ def pack_parameter(module: torch.nn.Module, name: str) -> None:
     module._parameters[name] = torch.nn.Parameter(packed, requires_grad=False)
 
 
-def _compiled(*tensors: torch.Tensor) -> bool:
+def _use_fused_ops(*tensors: torch.Tensor) -> bool:
     """Whether the fused layer ops (`dflash.ops`) may serve this call: they have no backward, so
     training takes the PyTorch path, which computes the same float32 math. (Under autocast both
     take the dtypes they are given.)"""
@@ -95,7 +95,7 @@ def _compiled(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, rounded once to x's dtype."""
-    if _compiled(x, weight):
+    if _use_fused_ops(x, weight):
         return ops.rms_norm(x, weight, eps)
     return reference.rms_norm_float32(x, weight, eps).to(x.dtype)
 
@@ -103,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): a residual add and the following norm."""
-    if _compiled(x, residual, weight) and x.dtype == residual.dtype:
+    if _use_fused_ops(x, residual, weight) and x.dtype == residual.dtype:
         return ops.add_rms_norm(x, residual, weight, eps)
     total = residual + x
     return rms_norm(total, weight, eps), total
@@ -135,13 +135,13 @@ def _llama3_scaling(inv_freq, factor, low_freq_factor, high_freq_factor,
 
 def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] -> NeoX-rotated by cos_sin [T, D], float32 math, rounded once to x's dtype."""
-    if _compiled(x):
+    if _use_fused_ops(x):
         return ops.rope(x, cos_sin)
     return reference.rope_neox(x.float(), cos_sin).to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if _compiled(gate_up):
+    if _use_fused_ops(gate_up):
         return ops.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
