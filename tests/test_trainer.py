@@ -110,6 +110,28 @@ def test_warm_start_from_an_exported_draft(tiny, tmp_path):
     assert torch.equal(warm.draft.draft_vocab, first.draft.draft_vocab)
 
 
+def test_a_draft_grown_deeper_starts_as_the_shallower_draft(tiny, tmp_path):
+    """Warm start from a draft with fewer layers: same block logits before training, and the
+    extra layers train (their zeroed output projections get gradients)."""
+    _, target, _ = tiny
+    first = Trainer(target, _answers(), tmp_path / "a", _config())
+    first.run(stop_at=10)
+    source = load_draft(tmp_path / "a" / "draft", target.cfg, dtype=torch.float32)
+    grown = Trainer(target, _answers(), tmp_path / "b",
+                    _config(num_layers=3, init_from=str(tmp_path / "a" / "draft")))
+    tokens = [torch.tensor(r["prompt_ids"] + r["answer_ids"]) for r in _answers(n=2)]
+    batch = Batch(tokens, [torch.tensor([3, 10, 25])] * 2)
+    features = target_features(target, batch.tokens, source.cfg.target_layer_ids)
+    expected, _ = block_logits(source, target, batch, features)
+    got, _ = block_logits(grown.draft, target, batch, features)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    grown.run(stop_at=2)
+    assert grown.draft.layers[2].o.abs().sum() > 0
+    with pytest.raises(ValueError, match="fewer layers"):
+        Trainer(target, _answers(), tmp_path / "c",
+                _config(intermediate_size=32, init_from=str(tmp_path / "a" / "draft")))
+
+
 def test_cached_features_equal_on_the_fly_features_and_follow_the_rows(tiny, tmp_path):
     _, target, _ = tiny
     rows = _answers(n=6)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -197,15 +197,31 @@ class Trainer:
         self.generator.set_state(state["generator"])
 
     def _warm_start(self, directory) -> None:
-        """Weights (and draft vocabulary) of an exported draft with the same configuration."""
+        """Weights (and draft vocabulary) of an exported draft with the same configuration, or
+        with fewer layers: a draft grown deeper starts as the shallower one, because its extra
+        layers begin with zero output projections (each adds nothing to the residual stream)."""
         source = load_draft(directory, self.target.cfg, dtype=torch.float32)
-        if source.cfg != self.cfg:
-            raise ValueError(f"{directory} has config {source.cfg}, expected {self.cfg}")
+        n = source.cfg.num_layers
+        same_but_depth = replace(source.cfg, num_layers=self.cfg.num_layers) == self.cfg
+        if not same_but_depth or n > self.cfg.num_layers:
+            raise ValueError(f"{directory} has config {source.cfg}; expected {self.cfg} "
+                             f"(or the same with fewer layers)")
+        grown = self.draft
         with torch.no_grad():
-            for mine, theirs in zip(self.draft.parameters(), source.parameters()):
-                mine.copy_(theirs)
+            for name in ("fc", "hidden_norm", "norm"):
+                getattr(grown, name).copy_(getattr(source, name))
+            grown.kv_weight[:len(source.kv_weight)].copy_(source.kv_weight)
+            if source.kv_bias is not None:
+                grown.kv_bias[:len(source.kv_bias)].copy_(source.kv_bias)
+            grown.k_norm[:n].copy_(source.k_norm)
+            for mine, theirs in zip(grown.layers, source.layers):
+                for p, q in zip(mine.parameters(), theirs.parameters()):
+                    p.copy_(q)
+            for layer in grown.layers[n:]:
+                layer.o.zero_()
+                layer.mlp.down.zero_()
         if source.draft_vocab is not None:
-            self.draft.draft_vocab = source.draft_vocab
+            grown.draft_vocab = source.draft_vocab
 
     def save(self) -> None:
         state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
