@@ -179,6 +179,36 @@ def sample(probs: torch.Tensor, is_greedy: torch.Tensor,
     return tokens
 
 
+def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+           params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify drafts [Bs, K] against the target's logits [Bs, K + 1, V]: `rejection_sample` of
+    the `target_probs`. Returns (output_token_ids [Bs, K + 1] padded with -1, num_accepted [Bs]).
+
+    An all-greedy batch skips the probabilities: with one-hot targets the op accepts while the
+    draft equals the argmax, which `greedy_accept` computes without writing Bs * (K + 1) * V
+    floats."""
+    if all(p.is_greedy for p in params):
+        return greedy_accept(draft_token_ids, first_argmax(logits))
+    is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+    return rejection_sample(draft_token_ids, draft_probs, target_probs(logits, params), is_greedy,
+                            generators)
+
+
+def greedy_accept(draft_token_ids: torch.Tensor, target_ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: each row keeps its drafts [Bs, K] up to the first that differs from
+    the target's choice target_ids [Bs, K + 1], then the target's token there (the bonus token
+    after a full match). Returns (output_token_ids [Bs, K + 1] padded with -1, num_accepted)."""
+    k = draft_token_ids.shape[1]
+    if target_ids.shape != (draft_token_ids.shape[0], k + 1):
+        raise ValueError(f"target_ids must be [Bs, K + 1] = {[draft_token_ids.shape[0], k + 1]}, "
+                         f"got {list(target_ids.shape)}")
+    accepted = (draft_token_ids == target_ids[:, :k]).cumprod(1).sum(1)
+    beyond = torch.arange(k + 1, device=target_ids.device)[None] > accepted[:, None]
+    return target_ids.masked_fill(beyond, -1), accepted
+
+
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                      target_probs: torch.Tensor, is_greedy: torch.Tensor,
                      generators: Sequence[torch.Generator | None]

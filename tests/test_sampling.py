@@ -176,6 +176,26 @@ def test_greedy_through_the_sampling_layer(drafts, best, expected, accepted):
     assert torch.equal(g.get_state(), state)          # greedy rows draw no noise
 
 
+def test_verify_of_a_greedy_batch_equals_the_op_on_one_hot_targets():
+    """The all-greedy shortcut (no probabilities) against rejection_sample of one-hot targets:
+    every acceptance length 0..K, ties in the logits included."""
+    g = torch.Generator().manual_seed(0)
+    k, v = 5, 6   # a tiny vocabulary: drafts often match, logits often tie
+    logits = torch.randint(0, 3, (64, k + 1, v), generator=g).float()
+    best = logits.argmax(-1)
+    drafts = torch.where(torch.rand(64, k, generator=g) < 0.8, best[:, :k],
+                         torch.randint(0, v, (64, k), generator=g))
+    params = [SamplingParams()] * 64
+    out, n = sampling.verify(drafts, None, logits, params, [None] * 64)
+    want_out, want_n = sampling.rejection_sample(drafts, None,
+                                                 sampling.target_probs(logits, params),
+                                                 torch.ones(64, dtype=torch.bool), [None] * 64)
+    assert torch.equal(out, want_out) and torch.equal(n, want_n)
+    assert set(n.tolist()) == set(range(k + 1))
+    with pytest.raises(ValueError, match="target_ids must be"):
+        sampling.greedy_accept(drafts, best[:, :k])
+
+
 def test_greedy_follows_logits_argmax_through_near_ties():
     # two logits one float32 ulp apart: softmax rounds them to the same probability, the
     # one-hot target keeps the true argmax; exact ties go to the first index

@@ -46,6 +46,16 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   }
 }
 
+// A small tensor's values as float32 (a norm weight: a few KB), converted without an ATen call,
+// which would cost more than the op that needs them.
+inline std::vector<float> float_values(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  std::vector<float> out(c.numel());
+  DFLASH_DISPATCH_FLOATS(c.scalar_type(), "float_values",
+                         [&] { load_row(c.const_data_ptr<scalar_t>(), out.data(), c.numel()); });
+  return out;
+}
+
 // 1 / sqrt(mean(x[0:n]^2) + eps), RMSNorm's float32 scale of one row.
 inline float inv_rms(const float* x, int64_t n, float eps) {
   using fVec = at::vec::Vectorized<float>;

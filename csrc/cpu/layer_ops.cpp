@@ -66,10 +66,11 @@ std::pair<int64_t, int64_t> rows_of(const at::Tensor& x) {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   checks::rms_norm_meta("rms_norm", x, weight, eps);
-  const at::Tensor xc = x.contiguous(), w = weight.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
+  const std::vector<float> w = float_values(weight);
   at::Tensor out = at::empty_like(xc);
   const auto [n, h] = rows_of(xc);
-  const float* wp = w.const_data_ptr<float>();
+  const float* wp = w.data();
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
@@ -86,10 +87,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight, double eps) {
   checks::add_rms_norm_meta(x, residual, weight, eps);
   const at::Tensor xc = x.contiguous(), rc = residual.contiguous();
-  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const std::vector<float> w = float_values(weight);
   at::Tensor out = at::empty_like(xc), sum = at::empty_like(xc);
   const auto [n, h] = rows_of(xc);
-  const float* wp = w.const_data_ptr<float>();
+  const float* wp = w.data();
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = xc.const_data_ptr<scalar_t>();
     const scalar_t* rp = rc.const_data_ptr<scalar_t>();
@@ -173,9 +174,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_cache(
 
   const at::Tensor src = qkv.contiguous(), cs = cos_sin.contiguous();
   const auto norm_weight = [](const std::optional<at::Tensor>& w) {
-    return w ? w->to(at::kFloat).contiguous() : at::Tensor();
+    return w ? float_values(*w) : std::vector<float>();
   };
-  const at::Tensor wq = norm_weight(q_norm_weight), wk = norm_weight(k_norm_weight);
+  const std::vector<float> wq = norm_weight(q_norm_weight), wk = norm_weight(k_norm_weight);
   at::Tensor q = at::empty({t, hq, d}, qkv.options()), k = at::empty({t, hkv, d}, qkv.options()),
              v = at::empty({t, hkv, d}, qkv.options());
   const std::vector<uint8_t> store = tokens_to_store(sp, t);
@@ -192,10 +193,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_cache(
       const scalar_t* row = xp + r * width;
       for (int64_t h = 0; h < hq + hkv; ++h) {
         const bool is_q = h < hq;
-        const at::Tensor& w = is_q ? wq : wk;
+        const std::vector<float>& w = is_q ? wq : wk;
         load_row(row + h * d, head, d);
-        if (w.defined()) {
-          norm_rope_head(head, w.const_data_ptr<float>(), cos, cos + d / 2, d, feps);
+        if (!w.empty()) {
+          norm_rope_head(head, w.data(), cos, cos + d / 2, d, feps);
         } else {
           rope_head(head, cos, cos + d / 2, d);
         }

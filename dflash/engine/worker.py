@@ -120,10 +120,9 @@ class Worker:
         hidden, features = self.target(tokens.flatten(), inputs.meta, self.target_cache,
                                        self.capture)
         logits = self.target.logits(hidden).view(bs, b, -1)
-        probs = sampling.target_probs(logits, [r.params for r in inputs.requests])
-        out, accepted = sampling.rejection_sample(draft_ids, draft_probs, probs,
-                                                  self._is_greedy(inputs.requests),
-                                                  self._generators(inputs.requests))
+        out, accepted = sampling.verify(draft_ids, draft_probs, logits,
+                                        [r.params for r in inputs.requests],
+                                        self._generators(inputs.requests))
         accepted = accepted.tolist()   # the step's one host sync
         emitted = [row[: a + 1] for row, a in zip(out.tolist(), accepted)]
         return emitted, accepted, features

@@ -181,8 +181,9 @@ class TargetModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         cos_sin = self.cos_sin[meta.positions]
         captured = {}
+        caches = kv_cache.view(-1, *kv_cache.shape[2:]).unbind()   # layer i: K 2i, V 2i + 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos_sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+            x, residual = layer(x, residual, cos_sin, meta, caches[2 * i], caches[2 * i + 1])
             if i in capture_layers:
                 captured[i] = residual + x   # the stream after layer i
         features = torch.cat([captured[i] for i in capture_layers], -1) if capture_layers else None
