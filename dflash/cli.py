@@ -104,15 +104,26 @@ def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .engine import LLM
-    from .train import TrainConfig, Trainer, generate_answers, load_prompts, read_answers
+    from .train import (
+        TrainConfig,
+        Trainer,
+        generate_answers,
+        load_prompts,
+        number_variants,
+        read_answers,
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
     prompts = load_prompts(args.prompts)[: args.num_prompts]
+    variants = number_variants(prompts, args.number_variants, seed=args.seed)
+    # answer rows are indexed into texts; group = the question a row derives from
+    texts = prompts + [text for _, text in variants]
+    groups = list(range(len(prompts))) + [source for source, _ in variants]
     llm = LLM(resolve_target(args.target), dtype=args.dtype, max_num_seqs=args.gen_batch,
               max_model_len=args.max_model_len)
-    generate_answers(llm, prompts, answers, max_tokens=args.max_answer_tokens,
+    generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
                      chunk=args.gen_batch * 2)
     if args.only_data:
         return 0
@@ -123,10 +134,12 @@ def _train(args: argparse.Namespace) -> int:
                      seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
                      seed=args.seed, draft_vocab_size=args.draft_vocab_size,
                      init_from=args.init_from, eval_every=args.eval_every,
-                     init_from_target_layers=_int_list(args.init_from_target_layers))
+                     init_from_target_layers=_int_list(args.init_from_target_layers),
+                     cache_features=not args.no_feature_cache)
     command = shlex.join(["dflash", *sys.argv[1:]])
     # the answers file may hold more questions than this run's --num-prompts: train on these only
-    rows = [r for r in read_answers(answers) if r["index"] < len(prompts)]
+    rows = [dict(r, group=groups[r["index"]]) for r in read_answers(answers)
+            if r["index"] < len(texts)]
     Trainer(llm.target, rows, out, tc, target_name=_target_name(args.target),
             command=command).run(max_minutes=args.max_minutes)
     print(f"draft saved to {out / 'draft'}")
@@ -187,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="the target's dtype for answers and features (match deployment)")
     p.add_argument("--gen-batch", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--number-variants", type=int, default=0,
+                   help="also answer N copies of each prompt with its numbers re-drawn")
     p.add_argument("--max-answer-tokens", type=int, default=384)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--only-data", action="store_true", help="stop after generating answers")
@@ -208,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from-target-layers", default=None,
                    help="comma list: start draft layer i from target layer i of the list")
     p.add_argument("--eval-every", type=int, default=250, help="steps between held-out tau")
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="run the target for each batch instead of caching its features on disk "
+                        "(no precompute, no disk: ~7 GB per 1.4M answer tokens in bf16)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("bench", help="DFlash vs target-only throughput on a prompt set")

@@ -168,6 +168,23 @@ LAYER_OP_INPUTS = {"rms_norm": rms_norm_inputs, "add_rms_norm": add_rms_norm_inp
                    "qkv_rope_cache": qkv_rope_cache_inputs}
 
 
+class CharTokenizer:
+    """A stand-in tokenizer for tiny random targets (`LLM(..., tokenizer=CharTokenizer())`): one
+    token per character, a chat template that returns the message itself."""
+
+    eos_token_id = None
+    chat_template = "the message"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return messages[0]["content"]
+
+    def encode(self, text, add_special_tokens=False):
+        return [1 + ord(c) % 90 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(33 + i % 90) for i in ids)
+
+
 def make_tiny_target(directory, kind: str = "qwen3", seed: int = 0, **overrides):
     """Save a tiny random Hugging Face target (float32) to `directory`; returns the HF model."""
     import transformers

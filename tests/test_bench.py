@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dflash import bench
-from dflash.testing import make_tiny_draft, make_tiny_target
+from dflash.testing import CharTokenizer, make_tiny_draft, make_tiny_target
 
 
 def test_accepted_length_histogram_from_prefix_counts():
@@ -20,21 +20,8 @@ def test_bench_writes_rows_json_and_plot(tmp_path):
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(3)))
 
-    class Tok:   # prompts are text: a minimal tokenizer with a chat template
-        eos_token_id = None
-        chat_template = "x"
-
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            return messages[0]["content"]
-
-        def encode(self, text, add_special_tokens=False):
-            return [1 + ord(c) % 90 for c in text]
-
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(33 + i % 90) for i in ids)
-
     original = bench.LLM
-    bench.LLM = lambda *a, **k: original(*a, **k, tokenizer=Tok())
+    bench.LLM = lambda *a, **k: original(*a, **k, tokenizer=CharTokenizer())
     try:
         rows = bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, [1, 2], 12, 0.0, None,
                          "float32", tmp_path / "out")

@@ -132,6 +132,17 @@ def test_a_draft_grown_deeper_starts_as_the_shallower_draft(tiny, tmp_path):
                 _config(intermediate_size=32, init_from=str(tmp_path / "a" / "draft")))
 
 
+def test_no_training_row_shares_a_question_with_a_held_out_row(tiny, tmp_path):
+    _, target, _ = tiny
+    rows = _answers(n=12)
+    variants = [dict(r, index=12 + i, group=r["index"]) for i, r in enumerate(rows)]
+    trainer = Trainer(target, rows + variants, tmp_path, _config(cache_features=False))
+    held = {r["index"] for r in trainer.heldout}
+    assert held == {0, 1, 2, 3}
+    assert not held & {r.get("group", r["index"]) for r in trainer.train_rows}
+    assert len(trainer.train_rows) == 2 * 12 - 2 * len(held)
+
+
 def test_cached_features_equal_on_the_fly_features_and_follow_the_rows(tiny, tmp_path):
     _, target, _ = tiny
     rows = _answers(n=6)

@@ -113,7 +113,8 @@ class LLM:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": message}],
                                                   tokenize=False, add_generation_prompt=True)
 
-    def _encode(self, prompt) -> list[int]:
+    def encode(self, prompt) -> list[int]:
+        """The token ids `generate` runs for `prompt` (a string, or token ids it validates)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this target has no tokenizer: pass prompts as token id lists")
@@ -127,7 +128,7 @@ class LLM:
         return ids
 
     def _request(self, prompt, params: SamplingParams) -> Request:
-        ids = self._encode(prompt)
+        ids = self.encode(prompt)
         if len(ids) + self.block_size > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit: prompt + one block of "
                              f"{self.block_size} exceeds max_model_len {self.max_model_len}")

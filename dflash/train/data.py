@@ -4,6 +4,8 @@ dflash engine in batches and appended to a JSONL file as they finish (so generat
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,13 +28,37 @@ def load_prompts(path) -> list[str]:
     return prompts
 
 
+def number_variants(prompts: list[str], count: int, seed: int = 0) -> list[tuple[int, str]]:
+    """`count` variants of every prompt with each run of digits re-drawn (same number of digits,
+    no leading zero): more questions of the same kinds, whose answers the target computes anew.
+    Returns (source index, text) pairs, variant-major; a prompt without digits has no variants.
+    Variant j of prompt i depends only on (seed, j, i), so reruns reproduce the same texts."""
+    variants = []
+    for j in range(count):
+        for i, text in enumerate(prompts):
+            rng = random.Random(f"{seed}:{j}:{i}")
+            redrawn = _DIGITS.sub(lambda m, rng=rng: _redraw(len(m[0]), rng), text)
+            if redrawn != text:
+                variants.append((i, redrawn))
+    return variants
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _redraw(digits: int, rng: random.Random) -> str:
+    return str(rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10**digits - 1))
+
+
 def generate_answers(llm, prompts: list[str], out_path, max_tokens: int = 384,
                      chunk: int = 64, chat: bool = True) -> None:
     """Append {"index", "prompt_ids", "answer_ids"} for every prompt not yet in `out_path`."""
     from ..sampling import SamplingParams
 
     out_path = Path(out_path)
-    done = {row["index"] for row in read_answers(out_path)} if out_path.exists() else set()
+    rows = read_answers(out_path) if out_path.exists() else []
+    _check_resumed_rows(llm, prompts, rows, out_path, chat)
+    done = {row["index"] for row in rows}
     todo = [i for i in range(len(prompts)) if i not in done]
     params = SamplingParams(max_tokens=max_tokens)
     if out_path.exists() and not out_path.read_bytes().endswith(b"\n"):
@@ -48,6 +74,19 @@ def generate_answers(llm, prompts: list[str], out_path, max_tokens: int = 384,
                                       "answer_ids": o.token_ids}) + "\n")
             out.flush()
             bar.update(len(batch))
+
+
+def _check_resumed_rows(llm, prompts: list[str], rows: list[dict], out_path: Path,
+                        chat: bool) -> None:
+    """Rows already in `out_path` must answer the prompts now at their index: a file from a run
+    with another prompt list would otherwise pass its answers off as these prompts' answers."""
+    for row in rows:
+        i = row["index"]
+        if i < len(prompts) and row["prompt_ids"] != llm.encode(
+                llm.chat_prompt(prompts[i]) if chat else prompts[i]):
+            raise ValueError(f"{out_path}: the answer with index {i} was generated for another "
+                             f"prompt than prompt {i} of this run (a run with other "
+                             f"--num-prompts or --number-variants?): use another output directory")
 
 
 def read_answers(path) -> list[dict]:

@@ -148,6 +148,10 @@ def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> fl
     return committed / steps if steps else 1.0
 
 
+def _group(row: dict) -> int:
+    return row.get("group", row["index"])
+
+
 class Trainer:
     def __init__(self, target: TargetModel, answers: list[dict], out_dir, tc: TrainConfig,
                  target_name: str = "its target", command: str | None = None):
@@ -157,7 +161,11 @@ class Trainer:
         self.target_name, self.command = target_name, command
         self.out.mkdir(parents=True, exist_ok=True)
         usable = [r for r in answers if len(r["answer_ids"]) >= 2]
-        self.heldout, self.train_rows = usable[:tc.heldout], usable[tc.heldout:]
+        # rows may name the question they derive from (`group`, e.g. a number variant): no
+        # training row shares a question with a held-out row
+        self.heldout = usable[:tc.heldout]
+        held = {_group(r) for r in self.heldout}
+        self.train_rows = [r for r in usable[tc.heldout:] if _group(r) not in held]
         if not self.train_rows:
             raise ValueError("no training answers (each needs at least 2 answer tokens)")
         self.cfg = draft_config(target, tc)

@@ -1,0 +1,49 @@
+"""Training data: number variants of prompts, and answer generation that resumes safely."""
+
+import json
+import re
+
+import pytest
+
+from dflash import LLM, SamplingParams
+from dflash.testing import CharTokenizer, make_tiny_target
+from dflash.train import generate_answers, number_variants, read_answers
+
+PROMPTS = ["Ann has 12 apples and buys 7 more for $1,250.", "No numbers here.", "Bo ran 3 km."]
+
+
+def test_number_variants_redraw_every_number_and_nothing_else():
+    variants = number_variants(PROMPTS, count=2, seed=0)
+    assert [source for source, _ in variants] == [0, 2, 0, 2]   # variant-major, digitless skipped
+    for source, text in variants:
+        original = PROMPTS[source]
+        assert re.sub(r"\d", "#", text) == re.sub(r"\d", "#", original)   # same digit runs
+        assert text != original and not re.search(r"\b0\d", text)         # no leading zeros
+    assert variants[0][1] != variants[2][1]                               # variants differ
+    assert number_variants(PROMPTS, count=2, seed=0) == variants          # reproducible
+    assert number_variants(PROMPTS, count=2, seed=1) != variants
+    assert number_variants(PROMPTS[:1], count=1, seed=0) == variants[:1]  # per-prompt seeding
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    target = tmp_path_factory.mktemp("data") / "target"
+    make_tiny_target(target, "qwen3")
+    return LLM(target, dtype="float32", tokenizer=CharTokenizer(), max_model_len=128)
+
+
+def test_generate_answers_resumes_and_refuses_another_prompt_list(llm, tmp_path):
+    out = tmp_path / "answers.jsonl"
+    generate_answers(llm, PROMPTS[:2], out, max_tokens=5)
+    generate_answers(llm, PROMPTS, out, max_tokens=5)   # resumes: answers only the third
+    rows = read_answers(out)
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    for row, prompt in zip(rows, PROMPTS):
+        expected = llm.generate(prompt, SamplingParams(max_tokens=5))[0]
+        assert row["prompt_ids"] == expected.prompt_token_ids
+        assert row["answer_ids"] == expected.token_ids
+    stamp = out.read_text()
+    with pytest.raises(ValueError, match="index 0 was generated for another prompt"):
+        generate_answers(llm, ["Ann has 13 apples"] + PROMPTS[1:], out, max_tokens=5)
+    assert out.read_text() == stamp
+    assert len(json.loads(stamp.splitlines()[0])["answer_ids"]) == 5
