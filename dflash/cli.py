@@ -224,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list: start draft layer i from target layer i of the list")
     p.add_argument("--eval-every", type=int, default=250, help="steps between held-out tau")
     p.add_argument("--no-feature-cache", action="store_true",
-                   help="run the target for each batch instead of caching its features on disk "
-                        "(no precompute, no disk: ~7 GB per 1.4M answer tokens in bf16)")
+                   help="run the target on each batch instead of caching its features on "
+                        "disk (3.4 KB per token for the bundled pair)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("bench", help="DFlash vs target-only throughput on a prompt set")
