@@ -143,6 +143,17 @@ def test_no_training_row_shares_a_question_with_a_held_out_row(tiny, tmp_path):
     assert len(trainer.train_rows) == 2 * 12 - 2 * len(held)
 
 
+def test_training_without_the_feature_cache_takes_the_same_steps(tiny, tmp_path):
+    _, target, _ = tiny
+    cached = Trainer(target, _answers(), tmp_path / "a", _config())
+    online = Trainer(target, _answers(), tmp_path / "b", _config(cache_features=False))
+    assert online.features is None and not (tmp_path / "b" / "features.safetensors").exists()
+    cached.run(stop_at=3)
+    online.run(stop_at=3)
+    for (name, p), q in zip(cached.draft.named_parameters(), online.draft.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_cached_features_equal_on_the_fly_features_and_follow_the_rows(tiny, tmp_path):
     _, target, _ = tiny
     rows = _answers(n=6)
