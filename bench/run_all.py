@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCRIPTS = ["bench_context_kv.py", "bench_paged_attention.py", "bench_rejection_sample.py"]
-TABLES = ["context_kv", "paged_attention", "paged_attention_target", "rejection_sample"]
+SCRIPTS = ["bench_context_kv.py", "bench_paged_attention.py", "bench_rejection_sample.py",
+           "bench_panel_linear.py"]
+TABLES = ["context_kv", "paged_attention", "paged_attention_target", "rejection_sample",
+          "panel_linear"]
 
 
 def main() -> int:

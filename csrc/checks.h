@@ -283,6 +283,17 @@ inline void silu_and_mul_meta(const at::Tensor& x) {
                ", its last dim (gate | up) must be even");
 }
 
+// weight_panels [N / 16, K, 16] (dflash.ops.to_panels) in x's dtype; bias [N].
+inline void panel_linear_meta(const at::Tensor& x, const at::Tensor& weight_panels,
+                              const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "panel_linear";
+  rows_input(op, x);
+  check_tensor(op, "weight_panels", weight_panels, {x.scalar_type()}, 3, {kAny, x.size(-1), 16},
+               x.device());
+  if (bias)
+    check_tensor(op, "bias", *bias, kFloats, 1, {weight_panels.size(0) * 16}, x.device());
+}
+
 inline void qkv_rope_cache_meta(const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm_weight,
                                 const std::optional<at::Tensor>& k_norm_weight,
                                 const at::Tensor& cos_sin, const at::Tensor& key_cache,

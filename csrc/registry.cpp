@@ -28,6 +28,7 @@ TORCH_LIBRARY(dflash, m) {
       "qkv_rope_cache(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, Tensor cos_sin, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads, "
       "float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("panel_linear(Tensor x, Tensor weight_panels, Tensor? bias) -> Tensor");
 }
 
 // `import dflash._C` loads the schemas; the module itself has no Python attributes.

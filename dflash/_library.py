@@ -26,7 +26,8 @@ from . import (
     reference,
 )
 
-LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache")
+LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache",
+             "panel_linear")
 OPS = ("context_kv", "paged_attention", "rejection_sample", *LAYER_OPS)
 _CAPABILITY_ORDER = ("AVX512", "AVX2", "DEFAULT")
 
@@ -134,3 +135,9 @@ def _qkv_rope_cache_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, 
                                value_cache, slot_mapping, num_heads, eps)
     t, (hkv, d) = qkv.shape[0], key_cache.shape[2:]
     return qkv.new_empty(t, num_heads, d), qkv.new_empty(t, hkv, d), qkv.new_empty(t, hkv, d)
+
+
+@torch.library.register_fake("dflash::panel_linear")
+def _panel_linear_fake(x, weight_panels, bias):
+    checks.panel_linear_meta(x, weight_panels, bias)
+    return x.new_empty(*x.shape[:-1], weight_panels.shape[0] * reference.PANEL)

@@ -211,7 +211,7 @@ def rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
 
 
 # ---------------------------------------------------------------------------------------------
-# layer ops: rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache
+# layer ops: rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache, panel_linear
 # ---------------------------------------------------------------------------------------------
 
 def _rows_input(op: str, x) -> None:
@@ -237,6 +237,15 @@ def silu_and_mul_meta(x) -> None:
     _rows_input(op, x)
     require(x.shape[-1] % 2 == 0, op,
             f"x has shape {_shape(x)}, its last dim (gate | up) must be even")
+
+
+def panel_linear_meta(x, weight_panels, bias) -> None:
+    """weight_panels [N / 16, K, 16] (`ops.to_panels`) in x's dtype; bias [N]."""
+    op = "panel_linear"
+    _rows_input(op, x)
+    tensor(op, "weight_panels", weight_panels, x.dtype, 3, (None, x.shape[-1], 16), x.device)
+    if bias is not None:
+        tensor(op, "bias", bias, FLOAT_DTYPES, 1, (weight_panels.shape[0] * 16,), x.device)
 
 
 def qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _library, npu_attention
+from . import _library, npu_attention, reference
 
 
 def implementation(op: str) -> str:
@@ -157,3 +157,17 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
     """
     return torch.ops.dflash.qkv_rope_cache(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
                                            value_cache, slot_mapping, num_heads, eps)
+
+
+to_panels = reference.to_panels
+
+
+def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer for the few rows of decoding: x [..., K] -> x @ W.T + bias [..., N].
+
+    weight_panels: W [N, K] in column panels, `to_panels(W)`: [N / 16, K, 16] in x's dtype (each
+    weight element is read once per call, however many rows x has). bias: [N] or None.
+    Float32 math, one rounding to x's dtype; a row's result does not depend on the other rows.
+    """
+    return torch.ops.dflash.panel_linear(x, weight_panels, bias)

@@ -1,5 +1,6 @@
 """Pure-PyTorch reference implementations of the dflash operators: the three of SPEC section 3
-and the decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache).
+and the decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache,
+panel_linear).
 
 This module is the executable specification: every kernel (C++ CPU, Ascend C under emulation, NPU)
 is tested against it. It is written to be obviously right, not fast: explicit per-sequence loops,
@@ -218,3 +219,31 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
     offset = slot_mapping[tokens] % key_cache.shape[1]
     key_cache[block, offset], value_cache[block, offset] = k[tokens], v[tokens]
     return q, k, v
+
+
+PANEL = 16   # output columns per panel of a panel_linear weight
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight [N, K] (N a multiple of 16) in column panels [N / 16, K, 16]:
+    panels[p, k, j] = weight[16 p + j, k]."""
+    n, k = weight.shape
+    if n % PANEL:
+        raise ValueError(f"to_panels: weight has {n} rows, expected a multiple of {PANEL}")
+    return weight.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def from_panels(weight_panels: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight of `to_panels`' layout."""
+    p, k, _ = weight_panels.shape
+    return weight_panels.transpose(1, 2).reshape(p * PANEL, k)
+
+
+def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W.T + bias -> [..., N] for W = from_panels(weight_panels), float32 math,
+    rounded once to x's dtype."""
+    checks.panel_linear_meta(x, weight_panels, bias)
+    out = F.linear(x.float(), from_panels(weight_panels).float(),
+                   None if bias is None else bias.float())
+    return out.to(x.dtype)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import reference
+
 
 def rope_cache(max_pos: int, head_dim: int, theta: float = 1e6) -> torch.Tensor:
     """[max_pos, D] float32 rows [cos(D/2) | sin(D/2)] for NeoX RoPE."""
@@ -163,9 +165,19 @@ def qkv_rope_cache_inputs(dtype=torch.float32, t=5, hq=4, hkv=2, d=32, norm=True
             "slot_mapping": torch.tensor([5, -1, 11, 0, 6])[:t], "num_heads": hq, "eps": 1e-6}
 
 
+def panel_linear_inputs(dtype=torch.float32, rows=5, n=48, k=37, bias=True):
+    """Small integers over powers of two: every product and sum is exact in float32, so any
+    summation order gives the same result."""
+    g = torch.Generator().manual_seed(8)
+    weight = torch.randint(-8, 9, (n, k), generator=g) / 16
+    return {"x": torch.randint(-8, 9, (rows, k), generator=g).to(dtype),
+            "weight_panels": reference.to_panels(weight.to(dtype)),
+            "bias": torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4 if bias else None}
+
+
 LAYER_OP_INPUTS = {"rms_norm": rms_norm_inputs, "add_rms_norm": add_rms_norm_inputs,
                    "silu_and_mul": silu_and_mul_inputs, "rope": rope_inputs,
-                   "qkv_rope_cache": qkv_rope_cache_inputs}
+                   "qkv_rope_cache": qkv_rope_cache_inputs, "panel_linear": panel_linear_inputs}
 
 
 class CharTokenizer:

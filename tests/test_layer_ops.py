@@ -1,6 +1,6 @@
-"""The decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache):
-the compiled CPU kernels against the PyTorch reference, row independence, cache writes, clear
-errors for bad input, and the fake implementations."""
+"""The decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache,
+panel_linear): the compiled CPU kernels against the PyTorch reference, row independence, cache
+writes, clear errors for bad input, and the fake implementations."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch
 from dflash import _library, ops, reference, testing
 from dflash.testing import (
     add_rms_norm_inputs,
+    panel_linear_inputs,
     qkv_rope_cache_inputs,
     rms_norm_inputs,
     rope_inputs,
@@ -129,10 +130,49 @@ def test_qkv_rope_cache_writes_strided_per_layer_cache_views():
     assert torch.equal(stacked[1, 1], expected[4]) and not stacked[0].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, n, k", [(1, 16, 5), (3, 48, 37), (16, 96, 64), (13, 4096, 576),
+                                        (40, 32, 1536)])
+def test_panel_linear_matches_a_float64_gemm(rows, n, k, dtype):
+    """Random (inexact) values, row counts on both sides of the kernel's row tile, K off the
+    vector width, and shapes large enough to split across threads."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    x, weight = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    bias = torch.randn(n, generator=g)
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
+    expected = x.double() @ weight.double().T + bias.double()
+    got = ops.panel_linear(x, ops.to_panels(weight), bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # float32 accumulation over k terms, then one rounding to the dtype
+    terms = (x.double().abs() @ weight.double().abs().T + bias.double().abs())
+    bound = terms * k * 2**-24 + expected.abs() * torch.finfo(dtype).eps / 2
+    assert ((got.double() - expected).abs() <= bound + 1e-30).all()
+    assert torch.equal(ops.panel_linear(x, ops.to_panels(weight)),
+                       ops.panel_linear(x, ops.to_panels(weight), None))
+
+
+def test_panels_hold_the_weight_columns_in_blocks_of_16():
+    weight = torch.arange(32 * 3.0).view(32, 3)
+    panels = ops.to_panels(weight)
+    assert panels.shape == (2, 3, 16) and panels[1, 2, 5] == weight[21, 2]
+    assert torch.equal(reference.from_panels(panels), weight)
+    with pytest.raises(ValueError, match="weight has 30 rows, expected a multiple of 16"):
+        ops.to_panels(weight[:30])
+
+
+def test_panel_linear_takes_leading_dims_and_strided_x():
+    args = panel_linear_inputs(rows=6)
+    x = args["x"].view(2, 3, -1)
+    out = ops.panel_linear(x.transpose(0, 1), args["weight_panels"], args["bias"])
+    assert out.shape == (3, 2, 48)
+    assert torch.equal(out, reference.panel_linear(x.transpose(0, 1), args["weight_panels"],
+                                                   args["bias"]))
+
+
 def _bad_inputs():
     """(op, message pattern, changed arguments)."""
     r, a, s = rms_norm_inputs(), add_rms_norm_inputs(), silu_and_mul_inputs()
-    p, q = rope_inputs(), qkv_rope_cache_inputs()
+    p, q, w = rope_inputs(), qkv_rope_cache_inputs(), panel_linear_inputs()
     return [
         ("rms_norm", "x has dtype torch.int64", {"x": r["x"].long()}),
         ("rms_norm", "weight has shape \\[95\\], expected size 96", {"weight": r["weight"][:-1]}),
@@ -164,6 +204,13 @@ def _bad_inputs():
         ("qkv_rope_cache", "slot_mapping\\[0\\] = -2 is out of range",
          {"slot_mapping": q["slot_mapping"].index_fill(0, torch.tensor([0]), -2)}),
         ("qkv_rope_cache", "cos_sin has shape \\[5, 30\\]", {"cos_sin": q["cos_sin"][:, :30]}),
+        ("panel_linear", "weight_panels has shape \\[3, 36, 16\\], expected size 37 in dim 1",
+         {"weight_panels": w["weight_panels"][:, :36]}),
+        ("panel_linear", "weight_panels must be 3-D", {"weight_panels": w["weight_panels"][0]}),
+        ("panel_linear", "weight_panels has dtype torch.bfloat16",
+         {"weight_panels": w["weight_panels"].bfloat16()}),
+        ("panel_linear", "bias has shape \\[47\\], expected size 48", {"bias": w["bias"][:-1]}),
+        ("panel_linear", "x has shape \\[5, 0\\], its last dim is empty", {"x": w["x"][:, :0]}),
     ]
 
 

@@ -14,7 +14,7 @@ from dflash.models import (
     load_draft,
     load_target,
 )
-from dflash.models.layers import linear, pack_linear_weight
+from dflash.models.layers import linear, pack_linear_weight, unpacked
 from dflash.testing import (
     TINY_TARGETS,
     make_tiny_draft,
@@ -301,25 +301,51 @@ def test_packed_bf16_weights_compute_the_same_gemm(rows):
     torch.testing.assert_close(got, F.linear(x, weight, bias).double(), atol=0.06, rtol=2**-7)
 
 
-def test_packing_is_a_noop_outside_cpu_bf16():
-    for weight in (torch.randn(8, 4), torch.randn(8, 4).half(), torch.randn(2, 8, 4).bfloat16()):
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+def test_packed_float32_weights_compute_the_same_gemm(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight, bias, x = torch.randn(96, 64, generator=g), torch.randn(96), torch.randn(rows, 64)
+    packed = pack_linear_weight(weight)
+    assert packed.shape == (6, 64, 16) and pack_linear_weight(packed) is packed
+    assert torch.equal(unpacked(packed), weight)
+    torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias))
+
+
+def test_packing_is_a_noop_where_no_faster_layout_exists():
+    for weight in (torch.randn(8, 4), torch.randn(16, 4).half(), torch.randn(2, 8, 4).bfloat16(),
+                   torch.randn(2, 16, 4)):
         assert pack_linear_weight(weight) is weight
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="this CPU has no oneDNN bf16 GEMMs")
-def test_packed_bf16_target_decodes_like_the_unpacked_one(tmp_path):
-    """Packing changes the GEMM layout only: logits agree to bf16 rounding and the greedy tokens
-    of a decoding loop are the same."""
+def _packed_dtypes():
+    bf16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 GEMMs"))
+    return [torch.float32, bf16]
+
+
+def _is_packed(weight):
+    return weight.is_mkldnn or weight.dim() == 3
+
+
+def _packed_tolerance(dtype):
+    """GEMMs summing in another order: float32 ulps, or bf16 ulps after rounding."""
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else \
+        {"atol": 0.1, "rtol": 0.05}
+
+
+@pytest.mark.parametrize("dtype", _packed_dtypes(), ids=str)
+def test_packed_target_decodes_like_the_unpacked_one(tmp_path, dtype):
+    """Packing changes the GEMM layout only: logits agree to the dtype's rounding and the greedy
+    tokens of a decoding loop are the same."""
     make_tiny_target(tmp_path, "qwen3")
-    plain = load_target(tmp_path, dtype=torch.bfloat16)
-    packed = load_target(tmp_path, dtype=torch.bfloat16)
+    plain = load_target(tmp_path, dtype=dtype)
+    packed = load_target(tmp_path, dtype=dtype)
     packed.pack_weights()
-    assert packed.layers[0].attn.qkv.is_mkldnn and packed.packed_head.is_mkldnn
+    assert _is_packed(packed.layers[0].attn.qkv) and _is_packed(packed.packed_head)
     ids = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(0))
     outputs = []
     for model in (plain, packed):
-        cache, tokens = _cache(model).bfloat16(), ids.tolist()
+        cache, tokens = _cache(model).to(dtype), ids.tolist()
         hidden, _ = model(ids, sequence_metadata(0, 9, _blocks(8), BLOCK), cache)
         logits = [model.logits(hidden[-1:])]
         for _ in range(12):
@@ -329,30 +355,28 @@ def test_packed_bf16_target_decodes_like_the_unpacked_one(tmp_path):
             logits.append(model.logits(hidden))
         outputs.append((tokens, torch.cat(logits).float()))
     assert outputs[0][0] == outputs[1][0]
-    torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=0.1, rtol=0.05)
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], **_packed_tolerance(dtype))
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="this CPU has no oneDNN bf16 GEMMs")
-def test_packed_bf16_draft_computes_the_unpacked_block_forward(tmp_path):
+@pytest.mark.parametrize("dtype", _packed_dtypes(), ids=str)
+def test_packed_draft_computes_the_unpacked_block_forward(tmp_path, dtype):
     make_tiny_target(tmp_path / "t", "qwen3")
-    target = load_target(tmp_path / "t", dtype=torch.bfloat16)
+    target = load_target(tmp_path / "t", dtype=dtype)
     make_tiny_draft(tmp_path / "d", tmp_path / "t", num_layers=2, block_size=8)
-    plain, packed = (load_draft(tmp_path / "d", target.cfg, dtype=torch.bfloat16)
-                     for _ in range(2))
+    plain, packed = (load_draft(tmp_path / "d", target.cfg, dtype=dtype) for _ in range(2))
     packed.pack_weights()
-    assert packed.layers[1].q.is_mkldnn and packed.packed_kv[1].is_mkldnn
+    assert _is_packed(packed.layers[1].q) and _is_packed(packed.packed_kv[1])
     g = torch.Generator().manual_seed(0)
     n_aux = len(plain.cfg.target_layer_ids)
-    feats = torch.randn(13, n_aux * 64, generator=g).bfloat16()
-    embeds = torch.randn(8, 64, generator=g).bfloat16()
+    feats = torch.randn(13, n_aux * 64, generator=g).to(dtype)
+    embeds = torch.randn(8, 64, generator=g).to(dtype)
     outputs = []
     for draft in (plain, packed):
-        cache = torch.zeros(draft.kv_cache_shape(64, BLOCK), dtype=torch.bfloat16)
+        cache = torch.zeros(draft.kv_cache_shape(64, BLOCK), dtype=dtype)
         ctx = sequence_metadata(0, 13, _blocks(6), BLOCK)
         draft.write_context(feats, ctx.positions, ctx.slot_mapping, cache)
         outputs.append(draft(embeds, sequence_metadata(13, 8, _blocks(6), BLOCK), cache))
-    torch.testing.assert_close(outputs[1], outputs[0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(outputs[1], outputs[0], **_packed_tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -210,13 +210,14 @@ def test_exported_draft_has_a_model_card(tiny, tmp_path):
     assert (tmp_path / "draft" / "training_curve.png").stat().st_size > 0
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="this CPU has no oneDNN bf16 GEMMs")
-def test_copying_layers_from_a_packed_bf16_target(tiny):
-    """`dflash train` trains against the engine's target, whose bf16 weights are packed."""
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(
+    torch.bfloat16, marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                             reason="no oneDNN bf16 GEMMs"))], ids=str)
+def test_copying_layers_from_a_packed_target(tiny, dtype):
+    """`dflash train` trains against the engine's target, whose weights are packed."""
     root, _, _ = tiny
-    plain = load_target(root / "target", dtype=torch.bfloat16)
-    packed = load_target(root / "target", dtype=torch.bfloat16)
+    plain = load_target(root / "target", dtype=dtype)
+    packed = load_target(root / "target", dtype=dtype)
     packed.pack_weights()
     tc = _config(num_layers=1, intermediate_size=plain.cfg.intermediate_size)
     drafts = [init_draft(draft_config(plain, tc), plain.cfg.attn.hidden_size, seed=0)

@@ -46,6 +46,17 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   }
 }
 
+// src[0:n] as float32: src itself for float, else converted into `scratch`.
+template <typename T>
+const float* as_float(const T* src, float* scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    load_row(src, scratch, n);
+    return scratch;
+  }
+}
+
 // A small tensor's values as float32 (a norm weight: a few KB), converted without an ATen call,
 // which would cost more than the op that needs them.
 inline std::vector<float> float_values(const at::Tensor& t) {

@@ -19,17 +19,6 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 
-// src[0:n] as float32: src itself for float, else converted into `scratch`.
-template <typename T>
-const float* as_float(const T* src, float* scratch, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    load_row(src, scratch, n);
-    return scratch;
-  }
-}
-
 // Scratch floats a row pass needs for `n` values of T: none for float, which works in place.
 template <typename T>
 constexpr int64_t scratch_for(int64_t n) {

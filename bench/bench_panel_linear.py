@@ -1,0 +1,60 @@
+"""Micro-benchmark of dflash::panel_linear (float32) on SmolLM2-135M's GEMM shapes.
+
+One pass over all of the model's linear weights (30 layers of qkv, o, gate_up, down, then the
+lm_head: 538 MB, more than this machine's cache, as in a decode step) for 1, 4, 16 and 64 rows,
+in the same run: torch's F.linear (MKL) on the [N, K] weights, and panel_linear on the same
+weights in column panels; and the bytes streamed per second against a plain copy of the same
+number of bytes (a pass that is bound by memory bandwidth runs near 0.5 copy, which moves each
+byte twice).
+
+    python bench/bench_panel_linear.py [--threads N]   # from the repository root
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dflash
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from common import copy_bandwidth, timeit, write  # noqa: E402
+
+from dflash import ops  # noqa: E402
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
+LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+
+
+def one_pass(linear, weights, inputs) -> None:
+    for w in weights:
+        linear(inputs[w.shape[1]], w)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
+    weights = [torch.randn(shape) for shape in shapes]
+    panels = [ops.to_panels(w) for w in weights]
+    nbytes = sum(w.numel() * 4 for w in weights)
+    copy = copy_bandwidth(nbytes)
+    rows = []
+    for m in (1, 4, 16, 64):
+        x = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
+        t_torch = timeit(lambda x=x: one_pass(F.linear, weights, x), min_time=1.0)
+        t_panel = timeit(lambda x=x: one_pass(ops.panel_linear, panels, x), min_time=1.0)
+        rows.append({"rows": m, "F.linear ms": t_torch * 1e3, "panel_linear ms": t_panel * 1e3,
+                     "speedup": t_torch / t_panel,
+                     "panel_linear GB/s": nbytes / t_panel / 1e9,
+                     "vs copy": nbytes / t_panel / copy})
+    write("panel_linear", rows, list(rows[0]))
+
+
+if __name__ == "__main__":
+    main()
