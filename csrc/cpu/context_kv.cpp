@@ -42,9 +42,9 @@ at::Tensor hidden_norm(const at::Tensor& x, const at::Tensor& weight, double eps
       std::max<int64_t>(1, (at::internal::GRAIN_SIZE - 1) / std::max<int64_t>(h, 1));
   const int64_t grain = std::max<int64_t>(block, kMinWorkPerThread / std::max<int64_t>(h, 1));
   at::Tensor c = at::empty_like(x);
-  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const std::vector<float> w = float_values(weight);
   const T* xp = x.const_data_ptr<T>();
-  const float* wp = w.const_data_ptr<float>();
+  const float* wp = w.data();
   T* cp = c.mutable_data_ptr<T>();
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> row(h);
@@ -64,14 +64,15 @@ at::Tensor hidden_norm(const at::Tensor& x, const at::Tensor& weight, double eps
 }
 
 template <typename T>
-void epilogue(const at::Tensor& kv, const at::Tensor& k_norm_weight, const at::Tensor& positions,
+void epilogue(const at::Tensor& kv, const std::vector<float>& k_norm_weight, int64_t layers,
+              int64_t d, const at::Tensor& positions,
               const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
               at::TensorList key_caches, at::TensorList value_caches, double eps) {
-  const int64_t n = kv.size(0), layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
+  const int64_t n = kv.size(0);
   const int64_t hkv = key_caches[0].size(2);
   const int64_t head_row = hkv * d;  // one layer's K (or V) of one token
   const T* kvp = kv.const_data_ptr<T>();
-  const float* wk = k_norm_weight.const_data_ptr<float>();
+  const float* wk = k_norm_weight.data();
   const float* cos_sin = cos_sin_cache.const_data_ptr<float>();
   const int64_t* pos = positions.const_data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
@@ -133,12 +134,13 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
   // A strided `hidden` (no fc) is made row-major first; the reference reduces it in place, so
   // there c may differ from the reference by float32 summation order.
   const at::Tensor x = (fc_weight ? at::linear(hidden, *fc_weight) : hidden).contiguous();
-  const at::Tensor wk = k_norm_weight.to(at::kFloat).contiguous();
+  const std::vector<float> wk = float_values(k_norm_weight);
   const at::Tensor cs = cos_sin_cache.contiguous();
   DFLASH_DISPATCH_FLOATS(hidden.scalar_type(), "context_kv", [&] {
     const at::Tensor c = hidden_norm<scalar_t>(x, hidden_norm_weight, eps);
     const at::Tensor kv = at::linear(c, kv_weight, kv_bias).contiguous();
-    epilogue<scalar_t>(kv, wk, pos, cs, slots, key_caches, value_caches, eps);
+    epilogue<scalar_t>(kv, wk, k_norm_weight.size(0), k_norm_weight.size(1), pos, cs, slots,
+                       key_caches, value_caches, eps);
   });
 }
 
