@@ -141,14 +141,16 @@ def test_panel_linear_matches_a_float64_gemm(rows, n, k, dtype):
     bias = torch.randn(n, generator=g)
     x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     expected = x.double() @ weight.double().T + bias.double()
-    got = ops.panel_linear(x, ops.to_panels(weight), bias)
+    panels = ops.to_panels(weight)
+    got = ops.panel_linear(x, panels, bias)
     assert got.dtype == dtype and got.shape == (rows, n)
+    for i in range(rows):   # inexact values: the row property in earnest
+        assert torch.equal(got[i:i + 1], ops.panel_linear(x[i:i + 1], panels, bias))
     # float32 accumulation over k terms, then one rounding to the dtype
     terms = (x.double().abs() @ weight.double().abs().T + bias.double().abs())
     bound = terms * k * 2**-24 + expected.abs() * torch.finfo(dtype).eps / 2
     assert ((got.double() - expected).abs() <= bound + 1e-30).all()
-    assert torch.equal(ops.panel_linear(x, ops.to_panels(weight)),
-                       ops.panel_linear(x, ops.to_panels(weight), None))
+    assert torch.equal(ops.panel_linear(x, panels), ops.panel_linear(x, panels, None))
 
 
 def test_panels_hold_the_weight_columns_in_blocks_of_16():

@@ -2,10 +2,10 @@
 //
 // Why it exists: a decode step multiplies a few rows (1 per sequence, 16 per DFlash block) by
 // every weight of the model, so its GEMMs stream weights from memory. torch's float32 GEMM
-// (MKL) takes 2.4x as long for 16 rows as for one on this model's shapes, although the weights
+// (MKL) takes 2.3x as long for 16 rows as for one on this model's shapes, although the weights
 // it streams are the same; here each weight element is read once per call and the rows ride
 // along. The panel layout (dflash.ops.to_panels: panels[p, k, j] = W[16 p + j, k]) makes the
-// inner loop one contiguous 16-float load per k, shared by up to kRows rows of x.
+// inner loop one contiguous 16-float load per k per panel, shared by a block of rows of x.
 //
 // Precision: float32 math (x and W converted once), each output one fused multiply-add chain
 // over k in order, plus the bias, rounded once to the dtype. A row's result does not depend on
@@ -19,19 +19,22 @@ namespace {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kPanel = 16;                // output columns per panel (the layout's width)
 constexpr int kVecs = kPanel / fVec::size();  // vectors per panel row
-constexpr int kPanelsPerTile = 2;             // two panels: independent FMA chains at one row
-constexpr int64_t kTileCols = kPanelsPerTile * kPanel;
+
+// Threads split the panels; each walks its share in tiles of NP panels and, inside a tile, blocks
+// of MR rows of x that share each weight load (NP * MR * kVecs accumulators in registers). Few
+// rows want more panels (independent FMA chains), more rows want more rows per weight load.
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int kRows = 8;  // 8 rows x 2 panels: 16 accumulators of the 32 vector registers
+constexpr int kFewRows = 2;  // up to this many rows: 8 panels x 2 rows, else 4 x 4 (16 of 32)
+constexpr int kFewNP = 8, kFewMR = 2, kManyNP = 4, kManyMR = 4;
 #else
-constexpr int kRows = 2;  // 2 rows x 2 panels x 2 vectors: 8 of the 16
+constexpr int kFewRows = 0;  // 2 panels x 2 rows x 2 vectors: 8 of the 16 registers
+constexpr int kFewNP = 2, kFewMR = 2, kManyNP = 2, kManyMR = 2;
 #endif
 
-// out[m * kTileCols + c] = sum_k x[m, k] * tile[k, c] for MR rows of x and the tile's
-// NP * kPanel columns; `tile` holds NP panels of [k, kPanel] floats, `panel_stride` apart.
-template <int MR, int NP>
-void multiply_rows(const float* x, int64_t k, const float* tile, int64_t panel_stride,
-                   float* out) {
+// out[m * ldo + c] = sum_k x[m, k] * tile[k, c] for MR rows of x and the NP * kPanel columns of
+// the NP panels at `tile` ([k, kPanel] floats each, consecutive).
+template <int NP, int MR>
+void multiply_rows(const float* x, int64_t k, const float* tile, float* out, int64_t ldo) {
   constexpr int kAcc = NP * kVecs;
   fVec acc[MR][kAcc];
   for (int m = 0; m < MR; ++m)
@@ -40,37 +43,82 @@ void multiply_rows(const float* x, int64_t k, const float* tile, int64_t panel_s
     fVec w[kAcc];
     for (int p = 0; p < NP; ++p)
       for (int j = 0; j < kVecs; ++j)
-        w[p * kVecs + j] = fVec::loadu(tile + p * panel_stride + i * kPanel + j * fVec::size());
+        w[p * kVecs + j] = fVec::loadu(tile + (p * k + i) * kPanel + j * fVec::size());
     for (int m = 0; m < MR; ++m) {
       const fVec xm(x[m * k + i]);
       for (int j = 0; j < kAcc; ++j) acc[m][j] = at::vec::fmadd(w[j], xm, acc[m][j]);
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < kAcc; ++j) acc[m][j].store(out + m * kTileCols + j * fVec::size());
+    for (int j = 0; j < kAcc; ++j) acc[m][j].store(out + m * ldo + j * fVec::size());
 }
 
-// multiply_rows for the last `rest` (< kRows) rows, with the row count fixed at compile time.
-template <int MR, int NP>
-void multiply_rest(int64_t rest, const float* x, int64_t k, const float* tile,
-                   int64_t panel_stride, float* out) {
+// multiply_rows for the last `rest` (< the block's) rows, the row count fixed at compile time.
+template <int NP, int MR>
+void multiply_rest(int64_t rest, const float* x, int64_t k, const float* tile, float* out,
+                   int64_t ldo) {
   if constexpr (MR > 0) {
     if (rest == MR) {
-      multiply_rows<MR, NP>(x, k, tile, panel_stride, out);
+      multiply_rows<NP, MR>(x, k, tile, out, ldo);
     } else {
-      multiply_rest<MR - 1, NP>(rest, x, k, tile, panel_stride, out);
+      multiply_rest<NP, MR - 1>(rest, x, k, tile, out, ldo);
     }
   }
 }
 
-// multiply_rows for all `rows` rows of x, kRows at a time, then the remainder.
-template <int NP>
-void multiply_tile(const float* x, int64_t rows, int64_t k, const float* tile,
-                   int64_t panel_stride, float* out) {
+// multiply_rows for all `rows` rows of x, MR at a time, then the remainder.
+template <int NP, int MR>
+void multiply_tile(const float* x, int64_t rows, int64_t k, const float* tile, float* out,
+                   int64_t ldo) {
   int64_t m = 0;
-  for (; m + kRows <= rows; m += kRows)
-    multiply_rows<kRows, NP>(x + m * k, k, tile, panel_stride, out + m * kTileCols);
-  multiply_rest<kRows - 1, NP>(rows - m, x + m * k, k, tile, panel_stride, out + m * kTileCols);
+  for (; m + MR <= rows; m += MR) multiply_rows<NP, MR>(x + m * k, k, tile, out + m * ldo, ldo);
+  multiply_rest<NP, MR - 1>(rows - m, x + m * k, k, tile, out + m * ldo, ldo);
+}
+
+// multiply_tile for a last tile of np (< NP) panels, np fixed at compile time.
+template <int NP, int MR>
+void multiply_partial_tile(int64_t np, const float* x, int64_t rows, int64_t k, const float* tile,
+                           float* out, int64_t ldo) {
+  if constexpr (NP > 0) {
+    if (np == NP) {
+      multiply_tile<NP, MR>(x, rows, k, tile, out, ldo);
+    } else {
+      multiply_partial_tile<NP - 1, MR>(np, x, rows, k, tile, out, ldo);
+    }
+  }
+}
+
+// out [rows, panels * kPanel] = x (float32 [rows, k]) @ W.T + bias for W in `panels` panels.
+template <int NP, int MR, typename T>
+void multiply(const float* x, int64_t rows, int64_t k, const T* weight, int64_t panels,
+              const std::vector<float>& bias, T* out) {
+  constexpr int64_t kCols = NP * kPanel;
+  const int64_t n = panels * kPanel;
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / (kPanel * k));
+  // threads split the panels evenly (a split by whole tiles would leave one thread a tile more
+  // of the model's narrower weights); each walks its share NP panels at a time
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> result(rows * kCols);
+    // a float32 copy of each weight tile (none for float32 itself)
+    std::vector<float> tile_scratch(std::is_same_v<T, float> ? 0 : kCols * k);
+    for (int64_t first = begin; first < end; first += NP) {
+      const int64_t np = std::min<int64_t>(NP, end - first);
+      const float* tile = as_float(weight + first * kPanel * k, tile_scratch.data(),
+                                   np * kPanel * k);
+      if (np == NP) {
+        multiply_tile<NP, MR>(x, rows, k, tile, result.data(), kCols);
+      } else {
+        multiply_partial_tile<NP - 1, MR>(np, x, rows, k, tile, result.data(), kCols);
+      }
+      const int64_t cols = np * kPanel, col0 = first * kPanel;
+      for (int64_t m = 0; m < rows; ++m) {
+        float* r = result.data() + m * kCols;
+        if (!bias.empty())
+          at::vec::map2([](fVec a, fVec c) { return a + c; }, r, r, bias.data() + col0, cols);
+        at::vec::convert(r, out + m * n + col0, cols);
+      }
+    }
+  });
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -78,42 +126,21 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight,
   checks::panel_linear_meta(x, weight, bias);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   const int64_t k = xc.size(-1), rows = xc.numel() / k, panels = wc.size(0);
-  const int64_t n = panels * kPanel;
   std::vector<int64_t> shape = xc.sizes().vec();
-  shape.back() = n;
+  shape.back() = panels * kPanel;
   at::Tensor out = at::empty(shape, xc.options());
   const std::vector<float> b = bias ? float_values(*bias) : std::vector<float>();
-  const int64_t tiles = (panels + kPanelsPerTile - 1) / kPanelsPerTile;
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "panel_linear", [&] {
-    // float32 copies of x and of each weight tile (none for float32 itself)
     constexpr bool kIsFloat = std::is_same_v<scalar_t, float>;
-    const scalar_t* wp = wc.const_data_ptr<scalar_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
     std::vector<float> x_scratch(kIsFloat ? 0 : rows * k);
     const float* xf = as_float(xc.const_data_ptr<scalar_t>(), x_scratch.data(), rows * k);
-    const int64_t tile_elems = kTileCols * k;
-    const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / tile_elems);
-    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> result(rows * kTileCols);
-      std::vector<float> tile_scratch(kIsFloat ? 0 : tile_elems);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t first = t * kPanelsPerTile;
-        const int64_t np = std::min<int64_t>(kPanelsPerTile, panels - first);
-        const float* tf = as_float(wp + first * kPanel * k, tile_scratch.data(), np * kPanel * k);
-        if (np == kPanelsPerTile) {
-          multiply_tile<kPanelsPerTile>(xf, rows, k, tf, kPanel * k, result.data());
-        } else {
-          multiply_tile<1>(xf, rows, k, tf, kPanel * k, result.data());
-        }
-        const int64_t cols = np * kPanel, col0 = first * kPanel;
-        for (int64_t m = 0; m < rows; ++m) {
-          float* r = result.data() + m * kTileCols;
-          if (!b.empty())
-            at::vec::map2([](fVec a, fVec c) { return a + c; }, r, r, b.data() + col0, cols);
-          at::vec::convert(r, op + m * n + col0, cols);
-        }
-      }
-    });
+    const scalar_t* wp = wc.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    if (rows <= kFewRows) {
+      multiply<kFewNP, kFewMR>(xf, rows, k, wp, panels, b, op);
+    } else {
+      multiply<kManyNP, kManyMR>(xf, rows, k, wp, panels, b, op);
+    }
   });
   return out;
 }
