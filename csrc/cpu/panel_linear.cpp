@@ -19,6 +19,7 @@ namespace {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kPanel = 16;                // output columns per panel (the layout's width)
 constexpr int kVecs = kPanel / fVec::size();  // vectors per panel row
+static_assert(kPanel % fVec::size() == 0, "a panel row must be whole vectors");
 
 // Threads split the panels; each walks its share in tiles of NP panels and, inside a tile, blocks
 // of MR rows of x that share each weight load (NP * MR * kVecs accumulators in registers). Few
