@@ -159,7 +159,7 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
                                            value_cache, slot_mapping, num_heads, eps)
 
 
-to_panels = reference.to_panels
+to_panels, from_panels = reference.to_panels, reference.from_panels
 
 
 def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,

@@ -131,8 +131,8 @@ def test_qkv_rope_cache_writes_strided_per_layer_cache_views():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows, n, k", [(1, 16, 5), (3, 48, 37), (16, 96, 64), (13, 4096, 576),
-                                        (40, 32, 1536)])
+@pytest.mark.parametrize("rows, n, k", [(1, 16, 5), (2, 48, 37), (3, 48, 37), (16, 96, 64),
+                                        (13, 4096, 576), (2, 160, 576), (40, 32, 1536)])
 def test_panel_linear_matches_a_float64_gemm(rows, n, k, dtype):
     """Random (inexact) values, row counts on both sides of the kernel's row tile, K off the
     vector width, and shapes large enough to split across threads."""
@@ -160,6 +160,11 @@ def test_panels_hold_the_weight_columns_in_blocks_of_16():
     assert torch.equal(reference.from_panels(panels), weight)
     with pytest.raises(ValueError, match="weight has 30 rows, expected a multiple of 16"):
         ops.to_panels(weight[:30])
+
+
+def test_panel_linear_of_no_rows_is_empty():
+    args = panel_linear_inputs(rows=0)
+    assert ops.panel_linear(**args).shape == (0, 48)
 
 
 def test_panel_linear_takes_leading_dims_and_strided_x():
@@ -209,6 +214,9 @@ def _bad_inputs():
         ("panel_linear", "weight_panels has shape \\[3, 36, 16\\], expected size 37 in dim 1",
          {"weight_panels": w["weight_panels"][:, :36]}),
         ("panel_linear", "weight_panels must be 3-D", {"weight_panels": w["weight_panels"][0]}),
+        ("panel_linear", "weight_panels has shape \\[3, 37, 8\\], expected size 16 in dim 2",
+         {"weight_panels": w["weight_panels"][..., :8]}),
+        ("panel_linear", "bias has dtype torch.int64", {"bias": w["bias"].long()}),
         ("panel_linear", "weight_panels has dtype torch.bfloat16",
          {"weight_panels": w["weight_panels"].bfloat16()}),
         ("panel_linear", "bias has shape \\[47\\], expected size 48", {"bias": w["bias"][:-1]}),

@@ -304,11 +304,28 @@ def test_packed_bf16_weights_compute_the_same_gemm(rows):
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_packed_float32_weights_compute_the_same_gemm(rows):
     g = torch.Generator().manual_seed(rows)
-    weight, bias, x = torch.randn(96, 64, generator=g), torch.randn(96), torch.randn(rows, 64)
+    weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(rows, 64, generator=g)
     packed = pack_linear_weight(weight)
     assert packed.shape == (6, 64, 16) and pack_linear_weight(packed) is packed
     assert torch.equal(unpacked(packed), weight)
     torch.testing.assert_close(linear(x, packed, bias), F.linear(x, weight, bias))
+
+
+def test_packed_float32_weights_take_the_blocked_gemm_for_long_prefills(monkeypatch):
+    from dflash.models import layers
+
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(32, 64, generator=g), torch.randn(9, 64, generator=g)
+    packed = pack_linear_weight(weight)
+    calls = []
+    monkeypatch.setattr(layers.ops, "panel_linear", lambda *a: calls.append(a) or F.linear(
+        a[0], unpacked(a[1]), a[2]))
+    monkeypatch.setattr(layers, "PANEL_MAX_ROWS", 8)
+    torch.testing.assert_close(linear(x, packed), F.linear(x, weight))
+    assert not calls
+    linear(x[:8], packed)
+    assert len(calls) == 1
 
 
 def test_packing_is_a_noop_where_no_faster_layout_exists():

@@ -94,7 +94,8 @@ class Worker:
         bs, b = len(inputs.requests), inputs.block_size
         hidden = self.draft(self.target.embed_tokens(inputs.tokens),
                             inputs.meta, self.draft_cache)
-        # all B rows go through the lm_head: the BLAS is much slower for B-1 rows than for B
+        # all B rows go through the lm_head: oneDNN's bf16 GEMM is much slower for B-1 rows than
+        # for B (and for panel_linear in float32 the extra row costs next to nothing)
         logits = (self.target.logits(hidden) if self.draft_head is None else
                   linear(hidden, self.draft_head)).view(bs, b, -1)[:, 1:]
         if self.draft_sampling == "greedy":

@@ -198,7 +198,7 @@ class TargetModel(nn.Module):
 
     def pack_weights(self) -> None:
         """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
-        `pack_linear_weight`; a no-op off CPU or outside bf16). The embedding stays as it is for
+        `pack_linear_weight`; a no-op off CPU and for float16). The embedding stays as it is for
         lookups, so a tied lm_head gets a packed copy."""
         for layer in self.layers:
             pack_parameter(layer.attn, "qkv")
