@@ -14,11 +14,12 @@ from dflash.models import (
     load_draft,
     load_target,
 )
-from dflash.models.layers import linear, pack_linear_weight, unpacked
+from dflash.models.layers import is_panels, linear, pack_linear_weight, unpacked
 from dflash.testing import (
     TINY_TARGETS,
     make_tiny_draft,
     make_tiny_target,
+    packed_weight_dtypes,
     rope_cache,
     sequence_metadata,
 )
@@ -334,14 +335,8 @@ def test_packing_is_a_noop_where_no_faster_layout_exists():
         assert pack_linear_weight(weight) is weight
 
 
-def _packed_dtypes():
-    bf16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-        not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 GEMMs"))
-    return [torch.float32, bf16]
-
-
 def _is_packed(weight):
-    return weight.is_mkldnn or weight.dim() == 3
+    return weight.is_mkldnn or is_panels(weight)
 
 
 def _packed_tolerance(dtype):
@@ -350,7 +345,7 @@ def _packed_tolerance(dtype):
         {"atol": 0.1, "rtol": 0.05}
 
 
-@pytest.mark.parametrize("dtype", _packed_dtypes(), ids=str)
+@pytest.mark.parametrize("dtype", packed_weight_dtypes(), ids=str)
 def test_packed_target_decodes_like_the_unpacked_one(tmp_path, dtype):
     """Packing changes the GEMM layout only: logits agree to the dtype's rounding and the greedy
     tokens of a decoding loop are the same."""
@@ -375,7 +370,7 @@ def test_packed_target_decodes_like_the_unpacked_one(tmp_path, dtype):
     torch.testing.assert_close(outputs[0][1], outputs[1][1], **_packed_tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", _packed_dtypes(), ids=str)
+@pytest.mark.parametrize("dtype", packed_weight_dtypes(), ids=str)
 def test_packed_draft_computes_the_unpacked_block_forward(tmp_path, dtype):
     make_tiny_target(tmp_path / "t", "qwen3")
     target = load_target(tmp_path / "t", dtype=dtype)

@@ -7,7 +7,7 @@ import torch
 
 from dflash.models import load_draft, load_target
 from dflash.models.layers import build_metadata, prefill_metadata
-from dflash.testing import make_tiny_draft, make_tiny_target
+from dflash.testing import make_tiny_draft, make_tiny_target, packed_weight_dtypes
 from dflash.train import TrainConfig, Trainer, heldout_tau, init_draft
 from dflash.train.features import cached_features
 from dflash.train.objective import Batch, block_logits, target_features
@@ -210,9 +210,7 @@ def test_exported_draft_has_a_model_card(tiny, tmp_path):
     assert (tmp_path / "draft" / "training_curve.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(
-    torch.bfloat16, marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                             reason="no oneDNN bf16 GEMMs"))], ids=str)
+@pytest.mark.parametrize("dtype", packed_weight_dtypes(), ids=str)
 def test_copying_layers_from_a_packed_target(tiny, dtype):
     """`dflash train` trains against the engine's target, whose weights are packed."""
     root, _, _ = tiny
