@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors-per-seq", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-vocab-size", type=int, default=0,
-                   help="> 0: the draft proposes only the N most frequent answer tokens")
+                   help="> 0: the draft proposes only the N most frequent answer tokens "
+                        "(with --init-from: the source's if it has N, else this run's)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this")
     p.add_argument("--init-from", default=None,
                    help="start from an exported draft's weights (when OUT has no checkpoint)")

@@ -11,7 +11,7 @@ from dflash.testing import make_tiny_draft, make_tiny_target, packed_weight_dtyp
 from dflash.train import TrainConfig, Trainer, heldout_tau, init_draft
 from dflash.train.features import cached_features
 from dflash.train.objective import Batch, block_logits, target_features
-from dflash.train.trainer import copy_target_layers, draft_config
+from dflash.train.trainer import copy_target_layers, draft_config, frequent_tokens
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,20 @@ def test_warm_start_from_an_exported_draft(tiny, tmp_path):
     for p, q in zip(first.draft.parameters(), warm.draft.parameters()):
         torch.testing.assert_close(p.to(torch.bfloat16).float(), q)   # exported in bf16
     assert torch.equal(warm.draft.draft_vocab, first.draft.draft_vocab)
+
+
+def test_warm_start_keeps_the_draft_vocabulary_unless_another_size_is_asked(tiny, tmp_path):
+    _, target, _ = tiny
+    first = Trainer(target, _answers(), tmp_path / "a", _config())
+    first.run(stop_at=1)
+    source = str(tmp_path / "a" / "draft")
+    other_answers = _answers(length=20)   # fewer distinct tokens, other frequencies
+    same = Trainer(target, other_answers, tmp_path / "b", _config(init_from=source))
+    assert torch.equal(same.draft.draft_vocab, first.draft.draft_vocab)
+    bigger = Trainer(target, other_answers, tmp_path / "c",
+                     _config(init_from=source, draft_vocab_size=70))
+    assert torch.equal(bigger.draft.draft_vocab, frequent_tokens(bigger.train_rows, 70))
+    assert not torch.equal(bigger.draft.draft_vocab, first.draft.draft_vocab)
 
 
 def test_a_draft_grown_deeper_starts_as_the_shallower_draft(tiny, tmp_path):

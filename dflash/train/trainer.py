@@ -205,9 +205,12 @@ class Trainer:
         self.generator.set_state(state["generator"])
 
     def _warm_start(self, directory) -> None:
-        """Weights (and draft vocabulary) of an exported draft with the same configuration, or
-        with fewer layers: a draft grown deeper starts as the shallower one, because its extra
-        layers begin with zero output projections (each adds nothing to the residual stream)."""
+        """Weights of an exported draft with the same configuration, or with fewer layers: a
+        draft grown deeper starts as the shallower one, because its extra layers begin with zero
+        output projections (each adds nothing to the residual stream). The draft vocabulary is
+        the source's unless this run asks for another size: then it is this run's most frequent
+        answer tokens (the vocabulary only selects lm_head rows; no trained weight depends on
+        it)."""
         source = load_draft(directory, self.target.cfg, dtype=torch.float32)
         n = source.cfg.num_layers
         same_but_depth = replace(source.cfg, num_layers=self.cfg.num_layers) == self.cfg
@@ -228,7 +231,8 @@ class Trainer:
             for layer in grown.layers[n:]:
                 layer.o.zero_()
                 layer.mlp.down.zero_()
-        if source.draft_vocab is not None:
+        if source.draft_vocab is not None and \
+                self.tc.draft_vocab_size in (0, len(source.draft_vocab)):
             grown.draft_vocab = source.draft_vocab
 
     def save(self) -> None:
