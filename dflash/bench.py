@@ -65,37 +65,60 @@ def accepted_length_histogram(metrics: dict) -> list[int]:
             for i in range(len(at_least))]
 
 
+def _combine(runs: list) -> tuple:
+    """One mode at one concurrency over the rounds: the first round's outputs and acceptance
+    metrics (every round does the same work), tokens and seconds summed, and each round's tok/s."""
+    outputs, metrics = runs[0][:2]
+    tokens = sum(m["generated_tokens"] for _, m, _, _ in runs)
+    wall, prefill = sum(r[2] for r in runs), sum(r[3] for r in runs)
+    return outputs, metrics, tokens, wall, prefill, [m["generated_tokens"] / w
+                                                     for _, m, w, _ in runs]
+
+
 def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int], max_tokens: int,
         temperature: float, block_size: int | None, dtype: str, out_dir, seed: int = 0,
-        tp_size: int = 1) -> list:
+        tp_size: int = 1, rounds: int = 1) -> list:
+    """`rounds` > 1 repeats DFlash and target-only in alternating order (D T, T D, D T, ...):
+    this VM's speed drifts over minutes, and a drift then weighs on both modes alike."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     prompts_text = load_dataset(dataset, num_prompts)
-    results = {}
-    # one engine at a time: a tensor-parallel engine owns the process group while it lives
-    for name, draft_dir in (("dflash", draft), ("target_only", None)):
+
+    def measure(draft_dir) -> list:
+        # one engine at a time: a tensor-parallel engine owns the process group while it lives
         with LLM(target, draft_dir, dtype=dtype, block_size=block_size if draft_dir else None,
                  max_num_seqs=max(concurrencies), tp_size=tp_size) as llm:
             prompts = [llm.chat_prompt(p) for p in prompts_text]
             params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                      seed=seed + i) for i in range(len(prompts))]
-            results[name] = [_run(llm, prompts, params, c) for c in concurrencies]
+            return [_run(llm, prompts, params, c) for c in concurrencies]
+
+    modes = [("dflash", draft), ("target_only", None)]
+    results = {name: [] for name, _ in modes}
+    for r in range(rounds):
+        for name, draft_dir in modes if r % 2 == 0 else modes[::-1]:
+            results[name].append(measure(draft_dir))
     rows = []
-    for c, (fast, m, wall, prefill), (slow, mb, wall_b, prefill_b) in zip(
-            concurrencies, results["dflash"], results["target_only"]):
-        decode_tok_s = m["generated_tokens"] / max(wall - prefill, 1e-9)
-        base_decode = mb["generated_tokens"] / max(wall_b - prefill_b, 1e-9)
+    for i, c in enumerate(concurrencies):
+        fast, m, tokens, wall, prefill, fast_rates = _combine([x[i] for x in results["dflash"]])
+        slow, mb, tokens_b, wall_b, prefill_b, slow_rates = _combine(
+            [x[i] for x in results["target_only"]])
         row = {
             "target": Path(str(target)).name, "draft": Path(str(draft)).name, "dataset": dataset,
-            "concurrency": c, "prompts": len(prompts), "generated_tokens": m["generated_tokens"],
+            "concurrency": c, "prompts": len(prompts_text),
+            "generated_tokens": m["generated_tokens"],
             "draft_accept_rate": round(m["draft_acceptance_rate"], 4),
             "tau": round(m["mean_acceptance_length"], 3),
-            "tok_s": round(m["generated_tokens"] / wall, 2),
-            "target_only_tok_s": round(mb["generated_tokens"] / wall_b, 2),
-            "speedup": round(m["generated_tokens"] / wall / (mb["generated_tokens"] / wall_b), 3),
+            "tok_s": round(tokens / wall, 2),
+            "target_only_tok_s": round(tokens_b / wall_b, 2),
+            "speedup": round(tokens / wall / (tokens_b / wall_b), 3),
             "identical": sum(a.token_ids == b.token_ids for a, b in zip(fast, slow))
             if temperature == 0 else "n/a (sampling)",
+            "rounds": rounds,
+            "speedup_per_round": [round(a / b, 3) for a, b in zip(fast_rates, slow_rates)],
             "prefill_s": round(prefill, 3), "target_only_prefill_s": round(prefill_b, 3),
-            "decode_tok_s": round(decode_tok_s, 2),
-            "target_only_decode_tok_s": round(base_decode, 2),
+            "decode_tok_s": round(tokens / max(wall - prefill, 1e-9), 2),
+            "target_only_decode_tok_s": round(tokens_b / max(wall_b - prefill_b, 1e-9), 2),
             "accepted_per_position": m["accepted_per_position"], "num_drafts": m["num_drafts"],
             "accepted_length_histogram": accepted_length_histogram(m),
         }

@@ -151,7 +151,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     bench.run(resolve_target(args.target), resolve_draft(args), args.dataset, args.num_prompts,
               [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.temperature,
-              args.block_size, args.dtype, args.out, tp_size=args.tp)
+              args.block_size, args.dtype, args.out, tp_size=args.tp, rounds=args.rounds)
     return 0
 
 
@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat both modes in alternating order; tok/s over all rounds")
     add_parallel_args(p)
     p.set_defaults(func=_bench, no_draft=False)
 

@@ -14,19 +14,30 @@ def test_accepted_length_histogram_from_prefix_counts():
     assert bench.accepted_length_histogram(m) == [4, 3, 2, 1]
 
 
-def test_bench_writes_rows_json_and_plot(tmp_path):
+@pytest.fixture
+def tiny_bench(tmp_path, monkeypatch):
+    """bench.run on tiny checkpoints and 3 prompts; `engines` records each engine's draft."""
     make_tiny_target(tmp_path / "t", "qwen3")
     make_tiny_draft(tmp_path / "d", tmp_path / "t", block_size=4)
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(3)))
+    engines, original = [], bench.LLM
 
-    original = bench.LLM
-    bench.LLM = lambda *a, **k: original(*a, **k, tokenizer=CharTokenizer())
-    try:
-        rows = bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, [1, 2], 12, 0.0, None,
-                         "float32", tmp_path / "out")
-    finally:
-        bench.LLM = original
+    def llm(target, draft, **kw):
+        engines.append(draft)
+        return original(target, draft, **kw, tokenizer=CharTokenizer())
+
+    monkeypatch.setattr(bench, "LLM", llm)
+
+    def run(concurrencies, **kw):
+        return bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, concurrencies, 12, 0.0,
+                         None, "float32", tmp_path / "out", **kw)
+    return run, engines, tmp_path
+
+
+def test_bench_writes_rows_json_and_plot(tiny_bench):
+    run, _, tmp_path = tiny_bench
+    rows = run([1, 2])
     assert [r["concurrency"] for r in rows] == [1, 2]
     for r in rows:
         assert r["prompts"] == 3 and r["generated_tokens"] == 36 and r["identical"] == 3
@@ -34,6 +45,17 @@ def test_bench_writes_rows_json_and_plot(tmp_path):
     saved = json.loads((tmp_path / "out" / "bench_q.json").read_text())
     assert saved["rows"][0]["tau"] == rows[0]["tau"]
     assert (tmp_path / "out" / "bench_q.png").stat().st_size > 1000
+
+
+def test_rounds_alternate_the_order_of_the_two_modes(tiny_bench):
+    run, engines, tmp_path = tiny_bench
+    [row] = run([1], rounds=3)
+    draft = tmp_path / "d"
+    assert engines == [draft, None, None, draft, draft, None]
+    assert len(row["speedup_per_round"]) == 3 and row["rounds"] == 3
+    assert row["generated_tokens"] == 36 and row["identical"] == 3
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        run([1], rounds=0)
 
 
 def test_unknown_dataset_is_named():
