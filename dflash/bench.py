@@ -69,10 +69,10 @@ def _combine(runs: list) -> tuple:
     """One mode at one concurrency over the rounds: the first round's outputs and acceptance
     metrics (every round does the same work), tokens and seconds summed, and each round's tok/s."""
     outputs, metrics = runs[0][:2]
-    tokens = sum(m["generated_tokens"] for _, m, _, _ in runs)
-    wall, prefill = sum(r[2] for r in runs), sum(r[3] for r in runs)
-    return outputs, metrics, tokens, wall, prefill, [m["generated_tokens"] / w
-                                                     for _, m, w, _ in runs]
+    tokens = [m["generated_tokens"] for _, m, _, _ in runs]
+    walls = [wall for _, _, wall, _ in runs]
+    return (outputs, metrics, sum(tokens), sum(walls), sum(p for *_, p in runs),
+            [t / w for t, w in zip(tokens, walls)])
 
 
 def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int], max_tokens: int,
