@@ -67,12 +67,15 @@ def accepted_length_histogram(metrics: dict) -> list[int]:
 
 def _combine(runs: list) -> tuple:
     """One mode at one concurrency over the rounds: the first round's outputs and acceptance
-    metrics (every round does the same work), tokens and seconds summed, and each round's tok/s."""
+    metrics (every round should do the same work), tokens and seconds summed, each round's tok/s,
+    and which prompts generated the same tokens in every round (the check of "the same work")."""
     outputs, metrics = runs[0][:2]
     tokens = [m["generated_tokens"] for _, m, _, _ in runs]
     walls = [wall for _, _, wall, _ in runs]
+    repeated = [all(run[0][i].token_ids == out.token_ids for run in runs)
+                for i, out in enumerate(outputs)]
     return (outputs, metrics, sum(tokens), sum(walls), sum(p for *_, p in runs),
-            [t / w for t, w in zip(tokens, walls)])
+            [t / w for t, w in zip(tokens, walls)], repeated)
 
 
 def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int], max_tokens: int,
@@ -100,8 +103,9 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
             results[name].append(measure(draft_dir))
     rows = []
     for i, c in enumerate(concurrencies):
-        fast, m, tokens, wall, prefill, fast_rates = _combine([x[i] for x in results["dflash"]])
-        slow, mb, tokens_b, wall_b, prefill_b, slow_rates = _combine(
+        fast, m, tokens, wall, prefill, fast_rates, fast_repeated = _combine(
+            [x[i] for x in results["dflash"]])
+        slow, _, tokens_b, wall_b, prefill_b, slow_rates, slow_repeated = _combine(
             [x[i] for x in results["target_only"]])
         row = {
             "target": Path(str(target)).name, "draft": Path(str(draft)).name, "dataset": dataset,
@@ -116,6 +120,7 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
             if temperature == 0 else "n/a (sampling)",
             "rounds": rounds,
             "speedup_per_round": [round(a / b, 3) for a, b in zip(fast_rates, slow_rates)],
+            "same_in_every_round": sum(map(all, zip(fast_repeated, slow_repeated))),
             "prefill_s": round(prefill, 3), "target_only_prefill_s": round(prefill_b, 3),
             "decode_tok_s": round(tokens / max(wall - prefill, 1e-9), 2),
             "target_only_decode_tok_s": round(tokens_b / max(wall_b - prefill_b, 1e-9), 2),

@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
     p.add_argument("--rounds", type=int, default=1,
-                   help="repeat both modes in alternating order; tok/s over all rounds")
+                   help="repeat both modes in alternating order; tok/s over all rounds "
+                        "(the JSON counts prompts whose tokens were the same in every round)")
     add_parallel_args(p)
     p.set_defaults(func=_bench, no_draft=False)
 

@@ -1,6 +1,7 @@
 """`dflash bench` end to end on tiny checkpoints: the table, the JSON and the plot."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -54,8 +55,20 @@ def test_rounds_alternate_the_order_of_the_two_modes(tiny_bench):
     assert engines == [draft, None, None, draft, draft, None]
     assert len(row["speedup_per_round"]) == 3 and row["rounds"] == 3
     assert row["generated_tokens"] == 36 and row["identical"] == 3
+    assert row["same_in_every_round"] == 3   # float32 greedy: every round the same tokens
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
         run([1], rounds=0)
+
+
+def test_combine_flags_prompts_whose_tokens_changed_between_rounds():
+    def outputs(*token_ids):
+        return [SimpleNamespace(token_ids=t) for t in token_ids]
+    metrics = {"generated_tokens": 4}
+    runs = [(outputs([1, 2], [3, 4]), metrics, 2.0, 0.5),
+            (outputs([1, 2], [3, 5]), metrics, 1.0, 0.25)]
+    _, _, tokens, wall, prefill, rates, repeated = bench._combine(runs)
+    assert (tokens, wall, prefill, rates) == (8, 3.0, 0.75, [2.0, 4.0])
+    assert repeated == [True, False]
 
 
 def test_unknown_dataset_is_named():
