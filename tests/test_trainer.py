@@ -118,6 +118,11 @@ def test_warm_start_keeps_the_draft_vocabulary_unless_another_size_is_asked(tiny
     other_answers = _answers(length=20)   # fewer distinct tokens, other frequencies
     same = Trainer(target, other_answers, tmp_path / "b", _config(init_from=source))
     assert torch.equal(same.draft.draft_vocab, first.draft.draft_vocab)
+    assert not torch.equal(same.draft.draft_vocab, frequent_tokens(same.train_rows, 60))
+    same.run(stop_at=10)
+    resumed = Trainer(target, other_answers, tmp_path / "b", _config(init_from=source))
+    assert resumed.step == 10
+    assert torch.equal(resumed.draft.draft_vocab, first.draft.draft_vocab)
     bigger = Trainer(target, other_answers, tmp_path / "c",
                      _config(init_from=source, draft_vocab_size=70))
     assert torch.equal(bigger.draft.draft_vocab, frequent_tokens(bigger.train_rows, 70))

@@ -199,6 +199,9 @@ class Trainer:
                 raise ValueError(f"{path} was trained with {key}={saved[key]}, not "
                                  f"{getattr(self.tc, key)}: use another output directory")
         self.draft.load_state_dict(state["draft"])
+        # a warm start may have kept its source's vocabulary rather than this run's choice
+        if "draft_vocab" in state:   # checkpoints written before it was saved recompute it
+            self.draft.draft_vocab = state["draft_vocab"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.elapsed, self.log = state["step"], state["elapsed"], state["log"]
         self.order = state["order"]
@@ -239,7 +242,7 @@ class Trainer:
         state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step, "elapsed": self.elapsed, "log": self.log,
                  "order": self.order, "generator": self.generator.get_state(),
-                 "config": asdict(self.tc)}
+                 "draft_vocab": self.draft.draft_vocab, "config": asdict(self.tc)}
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "checkpoint.pt")
