@@ -38,10 +38,11 @@ def step_costs(llm: LLM) -> dict:
     request = Request(0, list(range(1, CONTEXT + 1)), SamplingParams(), None, frozenset())
     request.block_table = list(range(-(-(CONTEXT + b) // worker.kv_block_size)))
     request.num_cached, request.output_ids = CONTEXT, [1]
-    inputs = worker.prepare_query_inputs([request])
     drafts = torch.randint(0, 1000, (1, b - 1))
-    costs = {"verify_ms": timeit(lambda: worker.run_validate(inputs, drafts, None)) * 1e3}
+    costs = {"verify_ms": timeit(lambda: worker.run_validate([request], [b - 1], drafts,
+                                                             None)) * 1e3}
     if worker.draft is not None:
+        inputs = worker.prepare_query_inputs([request])
         costs["draft_ms"] = timeit(lambda: worker.run_decode_draft(inputs)) * 1e3
     return costs
 
@@ -59,7 +60,7 @@ def measure(path, draft, dtype: str) -> dict:
         ours = tokens_per_second(lambda n: target_only.generate(
             prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
         one = step_costs(target_only)["verify_ms"]
-    with LLM(path, draft, dtype=dtype, max_num_seqs=1) as dflash:
+    with LLM(path, draft, dtype=dtype, max_num_seqs=1, speculation="fixed") as dflash:
         block = step_costs(dflash)
     return {"dtype": dtype, "HF generate tok/s": hf_tok_s, "dflash target-only tok/s": ours,
             "ratio": ours / hf_tok_s, "t(1) ms": one, "t(16) ms": block["verify_ms"],

@@ -4,12 +4,13 @@ measured in the same run, next to this machine's measured copy bandwidth and GEM
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from dflash import host
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -43,9 +44,9 @@ def gemm_rate(m: int, n: int, k: int, dtype: torch.dtype) -> float:
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "capability": torch.backends.cpu.get_cpu_capability()}
+    """The host (CPU model, AMX / AVX512-BF16 / AVX-512 / AVX2 flags, threads, torch) and the CPU
+    capability torch dispatches to."""
+    return {**host.describe(), "capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def write(name: str, rows: list[dict], columns: list[str]) -> None:

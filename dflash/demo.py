@@ -23,12 +23,16 @@ QUESTIONS = [
 ]
 
 
-def run(dtype: str = "bfloat16", max_tokens: int = 256, out=sys.stdout) -> dict:
+def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive",
+        recalibrate: bool = False, out=sys.stdout) -> dict:
+    """Both engines with the same settings; with dtype "auto" each takes the dtype that decodes
+    fastest for it on this host (target-only decoding is compared at its best)."""
     target = assets.smollm2_target()
     draft = assets.bundled_draft()
     sp = SamplingParams(max_tokens=max_tokens)
-    spec = LLM(target, draft, dtype=dtype, max_num_seqs=1)
-    base = LLM(target, dtype=dtype, max_num_seqs=1)
+    spec = LLM(target, draft, dtype=dtype, max_num_seqs=1, speculation=speculation,
+               recalibrate=recalibrate)
+    base = LLM(target, dtype=dtype, max_num_seqs=1, recalibrate=recalibrate)
     prompts = [spec.chat_prompt(q) for q in QUESTIONS]
     for llm in (spec, base):   # warm-up (first-call allocations, thread pools)
         llm.generate(prompts[0], SamplingParams(max_tokens=8))
@@ -52,8 +56,10 @@ def run(dtype: str = "bfloat16", max_tokens: int = 256, out=sys.stdout) -> dict:
         m = fast.metrics
         print(f"\n  [tau {m.mean_acceptance_length:.2f}, {m.generated_tokens} tokens]", file=out)
     s, b = spec.metrics(), base.metrics()
+    dtypes = [str(llm.dtype).removeprefix("torch.") for llm in (spec, base)]
     summary = {
-        "dtype": dtype, "prompts": len(QUESTIONS), "identical_outputs": matches,
+        "dtype": dtypes[0], "target_only_dtype": dtypes[1], "speculation": speculation,
+        "prompts": len(QUESTIONS), "identical_outputs": matches,
         "tau": s["mean_acceptance_length"], "draft_acceptance_rate": s["draft_acceptance_rate"],
         "dflash_tok_s": s["throughput_tok_s"], "target_only_tok_s": b["throughput_tok_s"],
         "speedup": s["throughput_tok_s"] / b["throughput_tok_s"],
@@ -62,6 +68,7 @@ def run(dtype: str = "bfloat16", max_tokens: int = 256, out=sys.stdout) -> dict:
           f"{summary['draft_acceptance_rate']:.1%}, {summary['dflash_tok_s']:.1f} tok/s | "
           f"target only: {summary['target_only_tok_s']:.1f} tok/s | speedup "
           f"{summary['speedup']:.2f}x | identical outputs: {matches}/{len(QUESTIONS)} "
-          f"({dtype}{'; bf16 rounding can flip near-ties' if dtype != 'float32' else ''})",
+          f"(DFlash {dtypes[0]}, {speculation}; target only {dtypes[1]}"
+          f"{'' if dtypes == ['float32'] * 2 else '; bf16 rounding can flip near-ties'})",
           file=out)
     return summary

@@ -6,6 +6,8 @@ exercised on the same cases.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from . import reference
@@ -290,3 +292,26 @@ def sequence_metadata(start: int, length: int, blocks: list[int], block_size: in
     from .models.layers import build_metadata
 
     return build_metadata([blocks], [start], [length], block_size)
+
+
+class RandomVerifySchedule:
+    """A stand-in for the engine's planner (`LLM.planner`) that verifies random lengths in
+    0..k_max, every one 0 on some steps (seeded); `steps` records its choices."""
+
+    def __init__(self, seed: int, k_max: int):
+        self.rng = random.Random(seed)
+        self.k_max, self.steps = k_max, []
+
+    def plan(self, requests):
+        if self.rng.random() < 0.2:
+            ks = [0] * len(requests)
+        else:
+            ks = [self.rng.choice([0, 0, 1, 2, self.k_max]) for _ in requests]
+        self.steps.append(ks)
+        return ks
+
+    def observe(self, *args):
+        pass
+
+    def forget(self, request_id):
+        pass

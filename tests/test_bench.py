@@ -42,22 +42,37 @@ def test_bench_writes_rows_json_and_plot(tiny_bench):
     assert [r["concurrency"] for r in rows] == [1, 2]
     for r in rows:
         assert r["prompts"] == 3 and r["generated_tokens"] == 36 and r["identical"] == 3
-        assert sum(r["accepted_length_histogram"]) == r["num_drafts"]
+        assert r["dtype"] == "float32/float32/float32"
+        for mode in ("adaptive", "fixed"):
+            m = r["modes"][mode]
+            assert m["identical"] == 3 and m["generated_tokens"] == 36
+            assert sum(m["accepted_length_histogram"]) == m["num_drafts"]
+            # a request-step that verifies k > 0 drafts counts as one draft
+            assert sum(m["verify_length_histogram"][1:]) == m["num_drafts"]
+        fixed = r["modes"]["fixed"]["verify_length_histogram"]
+        assert fixed[:-1] == [0, 0, 0] and fixed[-1] > 0   # block 4: always 3 drafts
+        assert r["vs_best_other"] == pytest.approx(
+            r["tok_s"] / max(r["fixed_tok_s"], r["target_only_tok_s"]), rel=1e-2)
     saved = json.loads((tmp_path / "out" / "bench_q.json").read_text())
     assert saved["rows"][0]["tau"] == rows[0]["tau"]
+    assert saved["host"]["cpu"] and "avx512_bf16" in saved["host"]
+    assert saved["engines"]["adaptive"]["cost_model"]["target_ms"]
     assert (tmp_path / "out" / "bench_q.png").stat().st_size > 1000
 
 
-def test_rounds_alternate_the_order_of_the_two_modes(tiny_bench):
+def test_rounds_alternate_the_order_of_the_modes(tiny_bench):
     run, engines, tmp_path = tiny_bench
-    [row] = run([1], rounds=3)
+    [row] = run([1], rounds=3, modes=("fixed", "target_only"))
     draft = tmp_path / "d"
     assert engines == [draft, None, None, draft, draft, None]
+    assert "fixed_tok_s" not in row and row["modes"].keys() == {"fixed", "target_only"}
     assert len(row["speedup_per_round"]) == 3 and row["rounds"] == 3
     assert row["generated_tokens"] == 36 and row["identical"] == 3
     assert row["same_in_every_round"] == 3   # float32 greedy: every round the same tokens
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
         run([1], rounds=0)
+    with pytest.raises(ValueError, match="modes must include target_only"):
+        run([1], modes=("adaptive", "fixed"))
 
 
 def test_combine_flags_prompts_whose_tokens_changed_between_rounds():

@@ -32,19 +32,24 @@ def _hf_greedy(hf, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_batch_1_equals_target_only_and_transformers(models, baseline):
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_greedy_batch_1_equals_target_only_and_transformers(models, baseline, speculation):
     target, draft, hf = models
     sp = SamplingParams(max_tokens=40)
-    dflash = LLM(target, draft, dtype="float32", max_num_seqs=1).generate(PROMPTS[1], sp)[0]
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=1, speculation=speculation)
+    dflash = llm.generate(PROMPTS[1], sp)[0]
     assert dflash.token_ids == baseline.generate(PROMPTS[1], sp)[0].token_ids \
         == _hf_greedy(hf, PROMPTS[1], 40)
-    assert dflash.finish_reason == "length" and dflash.metrics.num_drafts > 0
+    assert dflash.finish_reason == "length"
+    if speculation == "fixed":
+        assert dflash.metrics.num_drafts > 0
 
 
-def test_greedy_continuous_batching_equals_target_only(models, baseline):
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_greedy_continuous_batching_equals_target_only(models, baseline, speculation):
     target, draft, hf = models
     sp = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
-    llm = LLM(target, draft, dtype="float32", max_num_seqs=3)
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=3, speculation=speculation)
     outs = llm.generate(PROMPTS, sp)
     expected = baseline.generate(PROMPTS, sp)
     for o, e, p, s in zip(outs, expected, PROMPTS, sp):
@@ -113,8 +118,10 @@ def test_stop_token_inside_accepted_block(models, baseline):
 
 
 def test_sampling_is_reproducible_with_a_seed(models):
+    """A seed reproduces its tokens under the same verify schedule (an adaptive schedule follows
+    the engine's acceptance history, so this holds for the fixed one)."""
     target, draft, _ = models
-    llm = LLM(target, draft, dtype="float32", max_num_seqs=4)
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation="fixed")
     sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=1234)
     a = [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
     b = [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
@@ -214,7 +221,7 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_sampling)
     p2 = p1 @ p2_given_1
     n = 3000
     llm = LLM(tmp_path / "t", tmp_path / "d", dtype="float32", max_num_seqs=200,
-              draft_sampling=draft_sampling)
+              draft_sampling=draft_sampling, speculation="fixed")
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=2, seed=s)
                                        for s in range(n)])
     second = torch.tensor([o.token_ids[1] for o in outs])

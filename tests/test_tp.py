@@ -13,7 +13,7 @@ from dflash import LLM, SamplingParams
 from dflash.cli import main
 from dflash.models import ConfigError, load_target
 from dflash.models.parallel import TensorParallel
-from dflash.testing import make_tiny_draft, make_tiny_target
+from dflash.testing import RandomVerifySchedule, make_tiny_draft, make_tiny_target
 
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([5, 12, 3, 20])]
 # the MoE target also has an odd vocabulary (a zero-padded last shard), tied embeddings and a
@@ -45,6 +45,9 @@ def models(tmp_path_factory):
 
 
 def _llm(target, draft, **kw):
+    # fixed blocks: sampled tokens are compared, and an adaptive schedule follows each engine's
+    # own cost model
+    kw.setdefault("speculation", "fixed")
     return LLM(target, draft, dtype="float32", max_num_seqs=3, draft_sampling="sample", **kw)
 
 
@@ -122,6 +125,20 @@ def test_tp2_generates_exactly_what_tp1_does(models, kind):
             llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
         llm.proposer = None   # the group is still usable
         assert llm.generate(PROMPTS, greedy)[2].token_ids == expected[0][2]
+
+
+def test_tp2_adaptive_calibrates_through_the_group_and_stays_exact(models):
+    """The cost model is measured with every rank taking part, and a ragged verify schedule
+    (the planner's choices) keeps TP=2 greedy output equal to TP=1's."""
+    target, draft = models["qwen3"]
+    greedy = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
+    expected = [o.token_ids for o in _llm(target, draft).generate(PROMPTS, greedy)]
+    with _llm(target, draft, tp_size=2, tp_timeout=60, speculation="adaptive") as llm:
+        assert sorted(llm.cost_model.draft_s) == [1, 2, 3]
+        llm.planner = RandomVerifySchedule(3, k_max=7)
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected
+        assert llm.metrics()["draft_skipped_steps"] > 0
+        assert llm.allocator.num_free == llm.allocator.num_blocks
 
 
 def test_cli_generate_tp2(models, tmp_path, capsys):

@@ -60,24 +60,35 @@ class TPWorker(Worker):
     def prefill(self, requests: list[Request]) -> list[int]:
         return self._lead("prefill", requests, super().prefill)
 
-    def step(self, requests: list[Request], proposer=None):
+    def step(self, requests: list[Request], proposer=None, num_drafts=None):
         if proposer is not None:
             raise ValueError("a scripted proposer is not supported with tensor parallelism")
-        return self._lead("step", requests, super().step)
+        return self._lead("step", requests, lambda rs: super(TPWorker, self).step(
+            rs, num_drafts=num_drafts), num_drafts)
 
-    def _lead(self, kind: str, requests: list[Request], run):
+    def measure_costs(self, *args):
+        if self.group is None:
+            return super().measure_costs(*args)
+        self.group.send(("measure_costs", args))
+        with self.group.stop_on_error():
+            return super().measure_costs(*args)
+
+    def _lead(self, kind: str, requests: list[Request], run, *extra):
         if self.group is None:
             return run(requests)
-        self.group.send((kind, [_state(kind, r) for r in requests]))
+        self.group.send((kind, [_state(kind, r) for r in requests], *extra))
         with self.group.stop_on_error():
             return run(requests)
 
-    def follow(self, kind: str, states: list[tuple]) -> None:
-        requests = [_mirror(s) for s in states]
+    def follow(self, kind: str, *payload) -> None:
+        if kind == "measure_costs":
+            self.measure_costs(*payload[0])
+            return
+        requests = [_mirror(s) for s in payload[0]]
         if kind == "prefill":
             self.prefill(requests)
         else:
-            self.step(requests)
+            self.step(requests, num_drafts=payload[1])
 
     @torch.inference_mode()
     def run_decode_draft(self, inputs):
@@ -85,10 +96,11 @@ class TPWorker(Worker):
         return self.tp.broadcast(drafts.contiguous()), probs
 
     @torch.inference_mode()
-    def run_validate(self, inputs, draft_ids, draft_probs):
-        emitted, accepted, features = super().run_validate(inputs, draft_ids, draft_probs)
-        emitted, accepted = self.tp.broadcast_object((emitted, accepted))
-        return emitted, accepted, features
+    def run_validate(self, *args):
+        verified = super().run_validate(*args)
+        verified.emitted, verified.accepted = self.tp.broadcast_object(
+            (verified.emitted, verified.accepted))
+        return verified
 
 
 def _state(kind: str, r: Request) -> tuple:

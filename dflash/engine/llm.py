@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 
-from .. import sampling
+from .. import host, sampling
 from ..models import load_draft, load_target, load_tokenizer
 from ..sampling import SamplingParams
-from . import distributed
+from . import cost_model, distributed
 from .cache import BlockAllocator
-from .request import Request, RequestMetrics, RequestOutput
+from .cost_model import CostModel
+from .request import Request, RequestOutput
+from .speculation import Planner, expected_rate
 from .worker import Worker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPES = ("bfloat16", "float32")   # float16 GEMMs have no fast CPU path
+_announced: set[str] = set()
 
 
 class LLM:
@@ -25,7 +30,9 @@ class LLM:
     Args:
         target: Hugging Face directory or GGUF file of the target model.
         draft: DFlashDraftModel directory, or None for target-only decoding (the baseline).
-        dtype: "bfloat16" (default), "float16" or "float32".
+        dtype: "auto" (default: on CPU, the one of bfloat16 / float32 that the host's measured
+            costs say decodes fastest; bfloat16 on an accelerator), "bfloat16", "float16" or
+            "float32" (always honoured).
         max_num_seqs: sequences decoded together (continuous batching).
         block_size: DFlash block size B (default: the draft's; 1 without a draft).
         kv_block_size: tokens per paged-cache block.
@@ -43,13 +50,23 @@ class LLM:
             num_experts). Release them with `close()` (or use the LLM as a context manager).
         tp_timeout: seconds a tensor-parallel collective waits for the other ranks before the
             run fails.
+        speculation: "adaptive" (default): every step, each sequence verifies the number of
+            drafts (0..B-1) that maximises expected tokens per second under `cost_model` and
+            its acceptance so far; the draft forward is skipped when none verifies any. "fixed":
+            every sequence verifies all B-1 drafts (the published DFlash schedule).
+        recalibrate: measure the cost model again instead of reading its cache.
+
+    Attributes: `cost_model` (`dflash.engine.cost_model.CostModel`, measured at start and
+    cached; None for a target-only engine of a given dtype, which has nothing to choose),
+    `dtype` (the torch dtype in use), `planner` (the verify-length chooser, None unless adaptive).
     """
 
-    def __init__(self, target, draft=None, dtype: str | torch.dtype = "bfloat16",
+    def __init__(self, target, draft=None, dtype: str | torch.dtype = "auto",
                  device: str = "cpu", max_num_seqs: int = 8, block_size: int | None = None,
                  kv_block_size: int = 16, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, draft_sampling: str = "greedy",
-                 cp_size: int = 1, tokenizer=None, tp_size: int = 1, tp_timeout: float = 300.0):
+                 cp_size: int = 1, tokenizer=None, tp_size: int = 1, tp_timeout: float = 300.0,
+                 speculation: str = "adaptive", recalibrate: bool = False):
         if cp_size != 1:
             raise ValueError(f"context parallelism (cp_size={cp_size}) is not supported; "
                              "use cp_size=1")
@@ -57,24 +74,85 @@ class LLM:
             raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if torch_dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-        self._group = None if tp_size == 1 else \
-            distributed.Group(tp_size, target, draft, torch_dtype, device, tp_timeout)
+        if speculation not in ("adaptive", "fixed"):
+            raise ValueError(f"speculation must be 'adaptive' or 'fixed', got {speculation!r}")
+        if dtype != "auto":
+            dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+            if dtype not in DTYPES.values():
+                raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {dtype!r}")
+        self.speculation = speculation
+        self._config = dict(target=target, draft=draft, device=device, max_num_seqs=max_num_seqs,
+                            block_size=block_size, kv_block_size=kv_block_size,
+                            max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+                            draft_sampling=draft_sampling, tokenizer=tokenizer, tp_size=tp_size,
+                            tp_timeout=tp_timeout)
+        self._group = None
+        if dtype == "auto":
+            self._build_fastest(recalibrate)
+        else:
+            self._build(dtype)
+            needs_costs = self.draft is not None and speculation == "adaptive"
+            self.cost_model = self._calibrate(recalibrate) if needs_costs else None
+        self.planner = None if self.cost_model is None or self.draft is None or \
+            speculation == "fixed" else Planner(self.block_size - 1, self.cost_model)
+
+    def _build(self, torch_dtype: torch.dtype) -> None:
+        c = self._config
+        self._group = None if c["tp_size"] == 1 else distributed.Group(
+            c["tp_size"], c["target"], c["draft"], torch_dtype, c["device"], c["tp_timeout"])
         try:
-            self._init(target, draft, torch_dtype, device, max_num_seqs, block_size,
-                       kv_block_size, max_model_len, num_kv_blocks, draft_sampling, tokenizer)
+            self._init(c["target"], c["draft"], torch_dtype, c["device"], c["max_num_seqs"],
+                       c["block_size"], c["kv_block_size"], c["max_model_len"],
+                       c["num_kv_blocks"], c["draft_sampling"], c["tokenizer"])
         except BaseException:
             if self._group is not None:
                 self._group.close(kill=True)
             raise
+
+    def _calibrate(self, recalibrate: bool) -> CostModel:
+        key = cost_model.cache_key(
+            self._config["target"], self.draft_path, _dtype_name(self.dtype),
+            device=str(self._config["device"]), tp_size=self._config["tp_size"],
+            max_num_seqs=self.max_num_seqs, block_size=self.block_size,
+            kv_block_size=self.allocator.block_size, draft_sampling=self.worker.draft_sampling)
+        model = None if recalibrate else cost_model.load(key)
+        if model is None:
+            model = cost_model.calibrate(self.worker, self.allocator, self.max_num_seqs,
+                                         self.block_size, self.max_model_len)
+            cost_model.save(key, model)
+            model = CostModel.from_json(model.to_json())   # as the next start will read it
+        return model
+
+    def _build_fastest(self, recalibrate: bool) -> None:
+        """dtype="auto": the dtype whose measured costs decode fastest (an accelerator: bf16)."""
+        if torch.device(self._config["device"]).type != "cpu":
+            self._build(torch.bfloat16)
+            self.cost_model = self._calibrate(recalibrate)
+            return
+        rates, models = {}, {}
+        for name in AUTO_DTYPES:
+            if rates:   # the previous candidate's engine goes before the next one loads
+                self.close()
+            self._build(DTYPES[name])
+            models[name] = self._calibrate(recalibrate)
+            rates[name] = expected_rate(models[name], self.block_size, self.max_num_seqs)
+        best = max(rates, key=lambda name: rates[name][0] * rates[name][1])
+        if best != AUTO_DTYPES[-1]:
+            self.close()
+            self._build(DTYPES[best])
+        self.cost_model = models[best]
+        _announce(f"dtype auto -> {best} on {host.summary()}: expected tok/s at concurrency "
+                  f"1 / {self.max_num_seqs} " + ", ".join(
+                      f"{name} {r[0]:.1f} / {r[1]:.1f}" for name, r in rates.items())
+                  + f" ({'DFlash' if self.draft is not None else 'target only'}, from the "
+                  "cost model measured on this host)")
 
     def _init(self, target, draft, torch_dtype, device, max_num_seqs, block_size, kv_block_size,
               max_model_len, num_kv_blocks, draft_sampling, tokenizer):
         tp = None if self._group is None else self._group.tp
         if tp is not None:
             device = self._group.device
+        self.dtype, self.draft_path = torch_dtype, draft
         self.target = load_target(target, torch_dtype, device, tp)
         self.draft = None if draft is None else load_draft(draft, self.target.cfg, torch_dtype,
                                                            device)
@@ -101,8 +179,7 @@ class LLM:
             self.stop_ids.add(self.tokenizer.eos_token_id)
         self.proposer = None     # tests may script the drafts (see Worker.step)
         self._next_id = 0
-        self._totals: list[RequestMetrics] = []
-        self._elapsed = 0.0
+        self.reset_metrics()
 
     # ---------------------------------------------------------------------------- prompts
     def chat_prompt(self, message: str) -> str:
@@ -196,10 +273,10 @@ class LLM:
                     if waiting and not admitted:   # all blocks are free: it must have fit
                         raise RuntimeError("internal error: cache blocks were not returned")
                     continue
-                emitted, accepted = self.worker.step(running, self.proposer)
-                for r, tokens, a in zip(running, emitted, accepted):
-                    if self.block_size > 1:
-                        r.metrics.record_step(self.block_size - 1, a)
+                num_drafts = self._plan(running)
+                emitted, accepted = self.worker.step(running, self.proposer, num_drafts)
+                self._record(running, num_drafts, accepted)
+                for r, tokens in zip(running, emitted):
                     commit(r, tokens)
                 running = self._retire(running, progress)
         finally:
@@ -211,9 +288,28 @@ class LLM:
         self._totals += [r.metrics for r in requests]
         return [self._output(r) for r in requests]
 
+    def _plan(self, running: list[Request]) -> list[int]:
+        if self.block_size == 1:
+            return [0] * len(running)
+        if self.planner is None:
+            return [self.block_size - 1] * len(running)
+        return self.planner.plan(running)
+
+    def _record(self, running: list[Request], num_drafts: list[int], accepted: list[int]):
+        if self.planner is not None:
+            self.planner.observe(running, num_drafts, accepted)
+        self._steps += 1
+        self._draft_skipped += self.block_size > 1 and not any(num_drafts)
+        for r, k, a in zip(running, num_drafts, accepted):
+            self._verify_lengths[k] += 1
+            if k > 0:
+                r.metrics.record_step(k, a)
+
     def _retire(self, running: list[Request], progress) -> list[Request]:
         for r in running:
             if r.finished:
+                if self.planner is not None:
+                    self.planner.forget(r.request_id)
                 self.allocator.free(r.block_table)
                 if progress is not None:
                     progress.update(1)
@@ -253,10 +349,20 @@ class LLM:
             "throughput_tok_s": generated / self._elapsed if self._elapsed else 0.0,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "mean_tpot_s": sum(tpot) / len(tpot) if tpot else None,
+            "dtype": _dtype_name(self.dtype),
+            "speculation": "none" if self.block_size == 1 else
+            "adaptive" if self.planner is not None else "fixed",
+            "decode_steps": self._steps,
+            "draft_skipped_steps": self._draft_skipped,
+            # request-steps that verified k drafts, k = 0..B-1
+            "verify_length_histogram": list(self._verify_lengths),
+            "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
         }
 
     def reset_metrics(self) -> None:
         self._totals, self._elapsed = [], 0.0
+        self._steps = self._draft_skipped = 0
+        self._verify_lengths = [0] * self.block_size
 
     # ------------------------------------------------------------------------------ close
     def close(self) -> None:
@@ -269,6 +375,17 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def _announce(message: str) -> None:
+    """Print `message` to stderr once per process."""
+    if message not in _announced:
+        _announced.add(message)
+        print(f"dflash: {message}", file=sys.stderr, flush=True)
 
 
 def _progress(total: int):

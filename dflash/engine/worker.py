@@ -1,9 +1,12 @@
 """The model worker: one batched call per stage for all running sequences (SPEC 4.2).
 
-A decode step for a batch of sequences, each with `n` cached tokens and a pending last token:
+A decode step for a batch of sequences, each with `n` cached tokens, a pending last token and a
+verify length k (0..B-1, chosen by the scheduler):
   prepare_query_inputs  block [pending, MASK * (B-1)] at positions n .. n+B-1 for every sequence
-  run_decode_draft      one non-causal draft forward -> B-1 draft tokens per sequence
-  run_validate          one causal target forward over [pending, drafts] + rejection sampling
+                        with k > 0
+  run_decode_draft      one non-causal draft forward -> B-1 draft tokens per such sequence
+  run_validate          one causal target forward over [pending, first k drafts] of every
+                        sequence (a ragged batch) + rejection sampling
   write_context_kv      the committed rows' target features -> the draft's context cache
 
 Without a draft the same path runs with B = 1: the block is just the pending token and rejection
@@ -29,6 +32,17 @@ class StepInputs:
     tokens: torch.Tensor          # [Bs * B] block tokens (pending token, then masks)
     meta: AttentionMetadata       # positions / slots / tables shared by draft and target
     block_size: int
+
+
+@dataclass
+class Verified:
+    """What a verification pass produced: per request the emitted tokens and accepted count, and
+    the target features and metadata of its k + 1 verified rows (requests one after another)."""
+    emitted: list[list[int]]
+    accepted: list[int]
+    num_drafts: list[int]
+    features: torch.Tensor        # [sum(k + 1), n_aux * H]
+    meta: AttentionMetadata
 
 
 class Worker:
@@ -80,10 +94,11 @@ class Worker:
 
     # --------------------------------------------------------------------------- the step
     def prepare_query_inputs(self, requests: list[Request]) -> StepInputs:
+        """The draft's block for each request: [pending, MASK * (B-1)] at its next positions."""
         b = self.block_size
         tokens = torch.full((len(requests), b), -1 if self.mask_token_id is None
                             else self.mask_token_id, device=self.device)
-        tokens[:, 0] = torch.tensor([r.output_ids[-1] for r in requests], device=self.device)
+        tokens[:, 0] = self._pending(requests)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
                               [b] * len(requests), self.kv_block_size, self.device)
         return StepInputs(requests, tokens.flatten(), meta, b)
@@ -112,54 +127,159 @@ class Worker:
         return drafts, probs
 
     @torch.inference_mode()
-    def run_validate(self, inputs: StepInputs, draft_ids: torch.Tensor,
-                     draft_probs: torch.Tensor | None):
-        """Verify [pending, drafts] causally; returns (emitted, accepted counts, features)."""
-        bs, b = len(inputs.requests), inputs.block_size
-        tokens = inputs.tokens.view(bs, b).clone()
-        tokens[:, 1:] = draft_ids
-        hidden, features = self.target(tokens.flatten(), inputs.meta, self.target_cache,
+    def run_validate(self, requests: list[Request], num_drafts: list[int],
+                     draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> Verified:
+        """Verify each request's [pending, first k drafts] causally (k = num_drafts[i]; a ragged
+        batch of sum(k + 1) rows) and run rejection sampling on each.
+
+        draft_ids [Bs, B-1] (rows of requests with k = 0 are ignored), draft_probs [Bs, B-1, V]
+        or None (one-hot proposals)."""
+        b = self.block_size
+        rows = [i * b + j for i, k in enumerate(num_drafts) for j in range(k + 1)]
+        rows_t = torch.tensor(rows, device=self.device)
+        table = torch.empty(len(requests), b, dtype=torch.int64, device=self.device)
+        table[:, 0] = self._pending(requests)
+        table[:, 1:] = draft_ids
+        meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
+                              [k + 1 for k in num_drafts], self.kv_block_size, self.device)
+        hidden, features = self.target(table.flatten()[rows_t], meta, self.target_cache,
                                        self.capture)
-        logits = self.target.logits(hidden).view(bs, b, -1)
-        out, accepted = sampling.verify(draft_ids, draft_probs, logits,
-                                        [r.params for r in inputs.requests],
-                                        self._generators(inputs.requests))
-        accepted = accepted.tolist()   # the step's one host sync
-        emitted = [row[: a + 1] for row, a in zip(out.tolist(), accepted)]
-        return emitted, accepted, features
+        logits = self.target.logits(hidden)
+        params = [r.params for r in requests]
+        if all(p.is_greedy for p in params):
+            # padded to [Bs, B]: drafts past k never match (-1), so acceptance stops at k
+            target_ids = torch.full((len(requests) * b,), -1, device=self.device)
+            target_ids[rows_t] = sampling.first_argmax(logits)
+            drafts = torch.where(torch.arange(1, b, device=self.device)[None] <=
+                                 torch.tensor(num_drafts, device=self.device)[:, None],
+                                 draft_ids, -1)
+            out, accepted = sampling.greedy_accept(drafts, target_ids.view(-1, b))
+            out, accepted = out.tolist(), accepted.tolist()   # the step's one host sync
+        else:
+            out, accepted = self._verify_by_length(num_drafts, draft_ids, draft_probs, logits,
+                                                   requests)
+        emitted = [row[: a + 1] for row, a in zip(out, accepted)]
+        return Verified(emitted, accepted, num_drafts, features, meta)
+
+    def _verify_by_length(self, num_drafts, draft_ids, draft_probs, logits, requests):
+        """Rejection sampling of a ragged batch: one `sampling.verify` per distinct k (each
+        request's bonus token must come from its own row k)."""
+        starts = [0]
+        for k in num_drafts:
+            starts.append(starts[-1] + k + 1)
+        out, accepted = [None] * len(requests), [0] * len(requests)
+        for k in sorted(set(num_drafts)):
+            group = [i for i, n in enumerate(num_drafts) if n == k]
+            idx = torch.tensor(group, device=self.device)
+            rows = torch.tensor([starts[i] + j for i in group for j in range(k + 1)],
+                                device=self.device)
+            tokens, counts = sampling.verify(
+                draft_ids[idx, :k], None if draft_probs is None else draft_probs[idx, :k],
+                logits[rows].view(len(group), k + 1, -1), [requests[i].params for i in group],
+                self._generators([requests[i] for i in group]))
+            for i, row, a in zip(group, tokens.tolist(), counts.tolist()):
+                out[i], accepted[i] = row, a
+        return out, accepted
 
     @torch.inference_mode()
-    def write_context_kv(self, inputs: StepInputs, features: torch.Tensor,
-                         accepted: list[int]) -> None:
-        """Append the features of each sequence's committed block rows (0..a) to the draft cache."""
-        b = inputs.block_size
-        keep = torch.arange(b, device=self.device)[None] <= \
-            torch.tensor(accepted, device=self.device)[:, None]
-        keep = keep.flatten()
-        self.draft.write_context(features[keep], inputs.meta.positions[keep],
-                                 inputs.meta.slot_mapping[keep], self.draft_cache)
+    def write_context_kv(self, verified: Verified) -> None:
+        """Append the features of each sequence's committed rows (its first a + 1 verified rows)
+        to the draft's context cache."""
+        keep, start = [], 0
+        for a, k in zip(verified.accepted, verified.num_drafts):
+            keep += range(start, start + a + 1)
+            start += k + 1
+        keep = torch.tensor(keep, device=self.device)
+        self.draft.write_context(verified.features[keep], verified.meta.positions[keep],
+                                 verified.meta.slot_mapping[keep], self.draft_cache)
 
-    def step(self, requests: list[Request], proposer=None) -> tuple[list[list[int]], list[int]]:
+    def step(self, requests: list[Request], proposer=None, num_drafts: list[int] | None = None
+             ) -> tuple[list[list[int]], list[int]]:
         """One decode step for `requests`; returns the tokens each emitted and its accepted count.
 
-        `proposer(inputs)` replaces the draft model (tests script acceptance with it).
+        num_drafts[i] (0..B-1, default B-1) is how many of request i's drafts are verified; the
+        draft forward runs only for the requests with k > 0 (not at all when every k is 0), and
+        the draft context is written for all of them. `proposer(inputs)` replaces the draft model
+        (tests script acceptance with it).
         """
-        inputs = self.prepare_query_inputs(requests)
-        if self.block_size == 1:
-            drafts, draft_probs = torch.empty(len(requests), 0, dtype=torch.int64), None
-        else:
-            drafts, draft_probs = (proposer or self.run_decode_draft)(inputs)
-        emitted, accepted, features = self.run_validate(inputs, drafts, draft_probs)
+        b = self.block_size
+        num_drafts = [b - 1] * len(requests) if num_drafts is None else list(num_drafts)
+        if len(num_drafts) != len(requests) or not all(0 <= k < b for k in num_drafts):
+            raise ValueError(f"num_drafts must hold one count in [0, {b - 1}] per request, got "
+                             f"{num_drafts} for {len(requests)} requests")
+        draft_ids = torch.zeros(len(requests), b - 1, dtype=torch.int64, device=self.device)
+        draft_probs = None
+        drafting = [i for i, k in enumerate(num_drafts) if k > 0]
+        if drafting:
+            ids, probs = (proposer or self.run_decode_draft)(
+                self.prepare_query_inputs([requests[i] for i in drafting]))
+            idx = torch.tensor(drafting, device=self.device)
+            draft_ids[idx] = ids
+            if probs is not None:
+                draft_probs = probs.new_zeros(len(requests), *probs.shape[1:])
+                draft_probs[idx] = probs
+        verified = self.run_validate(requests, num_drafts, draft_ids, draft_probs)
         if self.draft is not None:
-            self.write_context_kv(inputs, features, accepted)
-        for r, a in zip(requests, accepted):
+            self.write_context_kv(verified)
+        for r, a in zip(requests, verified.accepted):
             r.num_cached += a + 1
-        return emitted, accepted
+        return verified.emitted, verified.accepted
+
+    # -------------------------------------------------------------------------- calibration
+    @torch.inference_mode()
+    def measure_costs(self, tables: list[list[int]], context: int, rows_grid: list[int],
+                      seqs_grid: list[int], repeats: int) -> tuple[dict, dict]:
+        """Seconds (the fastest of `repeats` runs) of one verify pass (target forward, lm_head,
+        greedy acceptance and the context write) for each total row count in `rows_grid`, spread
+        over sequences of up to B rows with `context` cached tokens each, and of one draft step
+        for each number of drafting sequences in `seqs_grid`. `tables`: free block tables, each
+        holding context + B tokens, at least max(rows_grid) / B (rounded up) and max(seqs_grid)
+        of them. Caches are written only inside those blocks."""
+        b = self.block_size
+        requests = []
+        for table in tables:
+            r = Request(-1, [0] * context, sampling.SamplingParams(), None, frozenset())
+            r.block_table, r.num_cached, r.output_ids = table, context, [1]
+            requests.append(r)
+        g = torch.Generator().manual_seed(0)
+        draft_ids = torch.randint(0, self.target.cfg.vocab_size, (len(requests), b - 1),
+                                  generator=g).to(self.device)
+
+        def verify(rows: int) -> None:
+            n = -(-rows // b)
+            ks = [b - 1] * (n - 1) + [rows - (n - 1) * b - 1]
+            verified = self.run_validate(requests[:n], ks, draft_ids[:n], None)
+            if self.draft is not None:
+                self.write_context_kv(verified)
+
+        def draft(n: int) -> None:
+            self.run_decode_draft(self.prepare_query_inputs(requests[:n]))
+
+        target_s = {rows: _fastest_seconds(lambda r=rows: verify(r), repeats)
+                    for rows in rows_grid}
+        draft_s = {} if self.draft is None else \
+            {n: _fastest_seconds(lambda n=n: draft(n), repeats) for n in seqs_grid}
+        return target_s, draft_s
 
     # ----------------------------------------------------------------------------- helpers
+    def _pending(self, requests):
+        return torch.tensor([r.output_ids[-1] for r in requests], device=self.device)
+
     def _is_greedy(self, requests):
         return torch.tensor([r.params.is_greedy for r in requests], device=self.device)
 
     @staticmethod
     def _generators(requests):
         return [r.generator for r in requests]
+
+
+def _fastest_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed runs after a warm-up: what the work costs when nothing
+    else interrupts it (a median still carries the preemptions of a busy machine)."""
+    fn()   # warm-up: first-call allocations, kernel selection
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)

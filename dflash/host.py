@@ -1,0 +1,57 @@
+"""What this host is: the CPU model and the instruction-set flags that decide how fast each dtype
+decodes (bf16 matrix units or not), as recorded next to every benchmark figure and in the key of
+the engine's calibration cache."""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import cache
+
+import torch
+
+# the flags that change which GEMM path is fast: AMX tiles, AVX-512 bf16 dot products, the vector
+# widths of the CPU kernels
+FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+
+
+@cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    model = value.strip()
+                elif key == "flags":
+                    flags = frozenset(value.split())
+                if key == "" and flags:   # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def describe() -> dict:
+    """The CPU model, its FLAGS (True / False), oneDNN's runtime ISA limit (ONEDNN_MAX_CPU_ISA,
+    which hides AMX / AVX512-BF16 from oneDNN and from dflash's own matrix path), the threads
+    torch uses and torch's version."""
+    model, flags = _cpuinfo()
+    return {"cpu": model, **{flag: flag in flags for flag in FLAGS},
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def summary(info: dict | None = None) -> str:
+    """One line naming the CPU and its flags, e.g. 'AMD EPYC (avx512_bf16 avx512f avx2; no
+    amx_bf16, amx_tile), 2 threads'."""
+    info = info or describe()
+    have = [f for f in FLAGS if info[f]]
+    lacks = [f for f in FLAGS if not info[f]]
+    limit = f", ONEDNN_MAX_CPU_ISA={info['onednn_max_cpu_isa']}" \
+        if info["onednn_max_cpu_isa"] else ""
+    return (f"{info['cpu']} ({' '.join(have) or 'none of ' + ' '.join(FLAGS)}"
+            f"{'; no ' + ', '.join(lacks) if have and lacks else ''}){limit}, "
+            f"{info['threads']} threads")

@@ -1,0 +1,217 @@
+"""Verify lengths chosen per step: the chooser against brute force, exactness under any schedule,
+the cost model's calibration cache, and dtype="auto"."""
+
+import itertools
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash import LLM, SamplingParams
+from dflash.engine import cost_model
+from dflash.engine import llm as llm_module
+from dflash.engine.cost_model import CostModel
+from dflash.engine.speculation import Acceptance, Planner, choose_num_drafts, step_rate
+from dflash.testing import RandomVerifySchedule, make_tiny_draft, make_tiny_target
+
+B = 8
+PROMPTS = [[(5 * i + 7 * j) % 90 + 1 for j in range(n)]
+           for i, n in enumerate([6, 11, 2, 17, 9, 1, 14, 8])]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculation")
+    make_tiny_target(root / "target", "qwen3")
+    make_tiny_draft(root / "draft", root / "target", num_layers=2, block_size=B)
+    return root / "target", root / "draft"
+
+
+# ------------------------------------------------------------------------------- the chooser
+def linear(fixed: float, per_row: float):
+    return lambda rows: fixed + per_row * rows
+
+
+def brute_force(cumulative, target_cost, draft_cost):
+    best = None
+    for ks in itertools.product(*[range(len(row) + 1) for row in cumulative]):
+        rate = step_rate(list(ks), cumulative, CostModelFns(target_cost, draft_cost))
+        if best is None or rate > best[0] + 1e-12:
+            best = (rate, list(ks))
+    return best
+
+
+class CostModelFns:
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+
+
+def test_flat_cost_verifies_the_whole_block():
+    cumulative = [Acceptance([0.3] * 7).cumulative()] * 3
+    assert choose_num_drafts(cumulative, lambda rows: 1.0, lambda n: 0.05) == [7, 7, 7]
+
+
+def test_cost_linear_in_rows_with_low_acceptance_verifies_nothing():
+    cumulative = [Acceptance([0.2] * 7).cumulative()] * 4
+    # every row costs as much as the fixed part: one more row buys 0.2 tokens at full price
+    assert choose_num_drafts(cumulative, linear(1.0, 1.0), lambda n: 0.1 * n) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chooser_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 3), rng.randint(1, 4)
+    cumulative = [Acceptance([rng.random() for _ in range(k)]).cumulative() for _ in range(n)]
+    target_cost = linear(rng.uniform(0.5, 2), rng.uniform(0, 0.5))
+    draft = rng.uniform(0, 1)
+    draft_cost = lambda d: draft if d else 0.0   # noqa: E731  (whether any sequence drafts)
+    rate, _ = brute_force(cumulative, target_cost, draft_cost)
+    ks = choose_num_drafts(cumulative, target_cost, draft_cost)
+    assert step_rate(ks, cumulative, CostModelFns(target_cost, draft_cost)) == \
+        pytest.approx(rate, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chooser_is_near_brute_force_when_draft_cost_grows_with_sequences(seed):
+    rng = random.Random(100 + seed)
+    cumulative = [Acceptance([rng.random() for _ in range(3)]).cumulative() for _ in range(3)]
+    target_cost, per_seq = linear(1.0, rng.uniform(0, 0.3)), rng.uniform(0, 0.3)
+    draft_cost = lambda d: per_seq * d   # noqa: E731
+    rate, _ = brute_force(cumulative, target_cost, draft_cost)
+    ks = choose_num_drafts(cumulative, target_cost, draft_cost)
+    assert step_rate(ks, cumulative, CostModelFns(target_cost, draft_cost)) >= 0.97 * rate
+
+
+def test_acceptance_estimates_count_only_what_was_verified():
+    a = Acceptance([0.5, 0.5, 0.5])
+    a.observe(verified=2, accepted=2, alpha=1.0)   # both verified drafts accepted, 3rd unseen
+    assert a.rates == [1.0, 1.0, 0.5]
+    a.observe(verified=3, accepted=0, alpha=1.0)   # the first rejected: nothing after it seen
+    assert a.rates == [0.0, 1.0, 0.5]
+    assert a.cumulative() == [0.0, 0.0, 0.0]
+
+
+def test_planner_stops_speculating_when_it_cannot_pay_and_probes_later():
+    model = CostModel({1: 1.0, 16: 16.0}, {1: 0.5})   # every row costs a full step
+    planner = Planner(7, model)
+    requests = [type("R", (), {"request_id": i})() for i in range(2)]
+    plans = []
+    for _ in range(200):
+        ks = planner.plan(requests)
+        planner.observe(requests, ks, [0] * len(ks))   # nothing is ever accepted
+        plans.append(ks)
+    off = [ks for ks in plans[50:] if not any(ks)]
+    assert len(off) > 140                               # speculation switched off ...
+    assert any(any(ks) for ks in plans[50:])            # ... with an occasional probe
+
+
+# ------------------------------------------------------------------ exactness under any schedule
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seqs):
+    target, draft = models
+    baseline = LLM(target, dtype="float32", max_num_seqs=8)
+    # mixed lengths: requests join and leave while others run
+    sp = [SamplingParams(max_tokens=8 + 7 * i) for i in range(len(PROMPTS))]
+    expected = [o.token_ids for o in baseline.generate(PROMPTS, sp)]
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=max_num_seqs)
+    llm.planner = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == expected
+    steps = llm.planner.steps
+    assert any(not any(ks) for ks in steps) and any(0 < k < B - 1 for ks in steps for k in ks)
+    m = llm.metrics()
+    assert m["draft_skipped_steps"] == sum(not any(ks) for ks in steps)
+    assert m["verify_length_histogram"] == [sum(k == j for ks in steps for k in ks)
+                                            for j in range(B)]
+    assert m["num_draft_tokens"] == sum(map(sum, steps))
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_sampled_tokens_follow_the_target_distribution_under_a_random_schedule(tmp_path):
+    """As in test_engine's chi-square test, with ragged verification (each request's bonus and
+    residual rows at its own k)."""
+    from scipy.stats import chisquare
+
+    vocab = 12
+    hf = make_tiny_target(tmp_path / "t", "qwen3", vocab_size=vocab, seed=5)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(0.15)
+    hf.save_pretrained(tmp_path / "t")
+    make_tiny_draft(tmp_path / "d", tmp_path / "t", block_size=4, mask_token_id=vocab - 1)
+    prompt = [2, 7, 1, 8]
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        seq2 = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = p1 @ torch.softmax(hf(seq2).logits[:, -1].double(), -1)
+    n = 3000
+    llm = LLM(tmp_path / "t", tmp_path / "d", dtype="float32", max_num_seqs=200,
+              draft_sampling="sample")
+    llm.planner = RandomVerifySchedule(7, k_max=3)
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=2, seed=s)
+                                       for s in range(n)])
+    observed = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]),
+                              minlength=vocab).double()
+    assert chisquare(observed.numpy(), (p2 * n).numpy()).pvalue > 1e-3
+    assert llm.metrics()["num_accepted_tokens"] > n // 20
+
+
+def test_worker_rejects_a_bad_schedule(models):
+    target, draft = models
+    llm = LLM(target, draft, dtype="float32", speculation="fixed")
+    llm.planner = SimpleNamespace(plan=lambda rs: [B] * len(rs),   # one more than a block has
+                                  observe=lambda *a: None, forget=lambda i: None)
+    with pytest.raises(ValueError, match=r"num_drafts must hold one count in \[0, 7\]"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+# -------------------------------------------------------------------------- the calibration
+def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, monkeypatch,
+                                                                       tmp_path):
+    target, draft = models
+    monkeypatch.setattr(cost_model, "CACHE_DIR", tmp_path)
+    calls = []
+    real = cost_model.calibrate
+    monkeypatch.setattr(cost_model, "calibrate", lambda *a: calls.append(1) or real(*a))
+    first = LLM(target, draft, dtype="float32", max_num_seqs=2).cost_model
+    files = list(tmp_path.glob("*.json"))
+    assert len(calls) == 1 and len(files) == 1
+    assert sorted(first.target_s) == [1, 2, 4, 8, 16] and sorted(first.draft_s) == [1, 2]
+    assert LLM(target, draft, dtype="float32", max_num_seqs=2).cost_model == first
+    assert len(calls) == 1                                    # reused
+    LLM(target, draft, dtype="float32", max_num_seqs=2, recalibrate=True)
+    assert len(calls) == 2                                    # --recalibrate measures again
+    files[0].write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the calibration cache file"):
+        LLM(target, draft, dtype="float32", max_num_seqs=2)
+    assert len(calls) == 3 and json.loads(files[0].read_text())["cost_model"]["target_ms"]
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    m = CostModel({1: 1.0, 4: 1.3, 16: 2.5}, {1: 0.2, 4: 0.5})
+    assert m.target(2) == pytest.approx(1.1)
+    assert m.target(32) == pytest.approx(2.5 + 16 * 0.1)
+    assert m.draft(0) == 0 and m.draft(8) == pytest.approx(0.9)
+    assert CostModel.from_json(m.to_json()) == m
+
+
+def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured(
+        models, monkeypatch, capsys, tmp_path):
+    target, draft = models
+    monkeypatch.setattr(cost_model, "CACHE_DIR", tmp_path)
+    fast_rows = {torch.float32: 0.01, torch.bfloat16: 0.001}   # fp32: every row costs a lot
+    monkeypatch.setattr(cost_model, "calibrate", lambda worker, *a: CostModel(
+        {1: 1e-3, 64: 1e-3 + 63 * fast_rows[worker.target.embed.dtype]}, {1: 1e-4, 8: 8e-4}))
+    monkeypatch.setattr(llm_module, "_announced", set())
+    llm = LLM(target, draft, max_num_seqs=8)
+    assert llm.dtype == torch.bfloat16 and llm.metrics()["dtype"] == "bfloat16"
+    assert "dtype auto -> bfloat16" in capsys.readouterr().err
+    fast_rows[torch.float32], fast_rows[torch.bfloat16] = 0.001, 0.01
+    assert LLM(target, draft, max_num_seqs=8, recalibrate=True).dtype == torch.float32
+    assert LLM(target, draft, dtype="bfloat16", max_num_seqs=8).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        LLM(target, draft, dtype="int8")
+    with pytest.raises(ValueError, match="speculation must be 'adaptive' or 'fixed'"):
+        LLM(target, draft, speculation="sometimes")
