@@ -141,10 +141,9 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
 
 
 def plot(rows: list[dict], path) -> None:
-    import matplotlib
+    from ._optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("bench", "the benchmark's acceptance plot")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for k, row in enumerate(rows):

@@ -65,10 +65,9 @@ def write_model_card(directory, tc, log: list[dict], train_rows: list[dict],
 
 
 def _plot(evals: list[dict], path: Path) -> None:
-    import matplotlib
+    from .._optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("train", "the model card's training curve")
 
     fig, left = plt.subplots(figsize=(6, 3.5))
     hours = [e["elapsed_s"] / 3600 for e in evals]
