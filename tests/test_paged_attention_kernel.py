@@ -15,9 +15,12 @@ import torch
 from dflash import _library, reference
 from dflash.testing import paged_attention_inputs
 
-pytestmark = pytest.mark.skipif(not _library.has_kernel("paged_attention"),
-                                reason="no compiled paged_attention kernel "
-                                       "(python setup.py build_ext --inplace)")
+
+@pytest.fixture(autouse=True)
+def _kernel_is_loaded():
+    assert _library.has_kernel("paged_attention"), \
+        "the compiled paged_attention kernel is not loaded (pip install --no-build-isolation -e .)"
+
 
 kernel = torch.ops.dflash.paged_attention
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
