@@ -1,4 +1,4 @@
-"""`dflash bench`: end-to-end DFlash vs target-only throughput on a prompt set (SPEC section 6).
+"""`dflash bench`: end-to-end DFlash vs target-only throughput on prompts (docs/design.md 6).
 
 For every concurrency it runs DFlash and the same engine without the draft on the same prompts
 (after a warm-up), prints one row in the format users compare, and writes JSON plus a PNG of the

@@ -1,4 +1,4 @@
-"""The C++ CPU kernel of dflash::paged_attention against the PyTorch reference (SPEC 3.2).
+"""The C++ CPU kernel of dflash::paged_attention against the PyTorch reference (docs/design.md 3.2).
 
 The default run samples the issue's case matrix: every head_dim x GQA ratio x cache block size x
 causal mode, with the dtype rotating so each dtype meets every other parameter value, and each call

@@ -1,4 +1,4 @@
-"""The model worker: one batched call per stage for all running sequences (SPEC 4.2).
+"""The model worker: one batched call per stage for all running sequences (docs/design.md 4.2).
 
 A decode step for a batch of sequences, each with `n` cached tokens and a pending last token:
   prepare_query_inputs  block [pending, MASK * (B-1)] at positions n .. n+B-1 for every sequence

@@ -13,7 +13,7 @@ from .config import AttentionConfig
 
 @dataclass
 class AttentionMetadata:
-    """Where a batch of new tokens sits in the paged caches (SPEC 3.2).
+    """Where a batch of new tokens sits in the paged caches (docs/design.md 3.2).
 
     Sequence b owns rows [cu_query_lens[b], cu_query_lens[b+1]) of the flattened tokens; its
     context_lens[b] cached tokens are read through block_table[b].

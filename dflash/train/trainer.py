@@ -17,13 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .._optional import require
 from ..models import DFlashDraft, DraftConfig, TargetModel, default_target_layer_ids
 from ..models.config import AttentionConfig
 from ..models.layers import unpacked
 from ..models.loader import load_draft, save_draft
-from .._optional import require
-from .card import (inherited_lineage, save_training_metadata, training_metadata,
-                   write_model_card)
+from .card import inherited_lineage, save_training_metadata, training_metadata, write_model_card
 from .features import cached_features
 from .objective import Batch, block_logits, draft_loss, predictions, sample_anchors, target_features
 
