@@ -57,7 +57,7 @@ def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> Att
 
 
 # Above this many rows (long prefills) MKL's blocked GEMM beats panel_linear's weight streaming,
-# even counting the copy back to [N, K] (session 6, ad hoc on SmolLM2's gate_up and down shapes:
+# even counting the copy back to [N, K] (measured ad hoc on SmolLM2's gate_up and down shapes:
 # 2048 rows 0.88x the time, 512 rows 1.04x).
 PANEL_MAX_ROWS = 1024
 
