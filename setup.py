@@ -108,13 +108,16 @@ def capabilities() -> list[str]:
 
 
 def capability_sources(cap: str, kernels: list[str]) -> list[str]:
-    """One generated wrapper per (capability, kernel) so each compiles to its own object file."""
+    """One generated wrapper per (capability, kernel) so each compiles to its own object file.
+
+    A wrapper names its kernel relative to csrc/ (an include directory of the extension), never
+    by an absolute path, so the generated sources stay valid wherever the tree is unpacked."""
     out = GENERATED / cap.lower()
     out.mkdir(parents=True, exist_ok=True)
     sources = []
     for kernel in kernels:
         wrapper = out / Path(kernel).name
-        text = f'#include "{ROOT / kernel}"\n'
+        text = f'#include "{Path(kernel).relative_to("csrc").as_posix()}"\n'
         if not wrapper.exists() or wrapper.read_text() != text:
             wrapper.write_text(text)
         sources.append(os.path.relpath(wrapper, ROOT))
@@ -126,7 +129,7 @@ def extensions():
 
     common = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
     exts = [CppExtension("dflash._C", ["csrc/registry.cpp"], extra_compile_args=common)]
-    kernels = sorted(glob.glob("csrc/cpu/*.cpp"))
+    kernels = sorted(glob.glob("csrc/cpu/*.cpp", root_dir=ROOT))
     if kernels:
         for cap in capabilities():
             exts.append(CppExtension(

@@ -1,4 +1,4 @@
-// Ascend C kernel: the epilogue of context_kv (SPEC 3.1).
+// Ascend C kernel: the epilogue of context_kv (docs/design.md 3.1).
 //
 // The host runs the two GEMMs (fc + hidden RMSNorm, then the fused layer-major K/V projection) and
 // hands this kernel kv [N, L * 2 * Hkv * D]. Per token (grid-strided over blocks) and layer it

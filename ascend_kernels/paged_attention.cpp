@@ -1,5 +1,5 @@
 // Ascend C kernel: paged attention of each sequence's new tokens over its cached context followed
-// by the new tokens themselves (SPEC 3.2), causal or not, on the vector cores.
+// by the new tokens themselves (docs/design.md 3.2), causal or not, on the vector cores.
 //
 // Work items (from the host's work table, grid-strided over the blocks) are (sequence, kv head,
 // query tile): up to q_tile query positions times the query heads of one GQA group, so every K/V

@@ -1,4 +1,4 @@
-// Ascend C kernel: rejection sampling for speculative decoding (SPEC 3.3).
+// Ascend C kernel: rejection sampling for speculative decoding (docs/design.md 3.3).
 //
 // One sequence per block iteration (sequences are grid-strided over the blocks). The vocabulary is
 // streamed through the unified buffer in tiles; every "argmax over the vocabulary" (greedy target

@@ -30,7 +30,7 @@ V, K = 151936, 15
 
 
 def composition(draft_token_ids, draft_probs, target_probs, is_greedy, uniform, exponential):
-    """SPEC 3.3 as batched tensor ops (no validation, no per-row loop): the unfused baseline."""
+    """docs/design.md 3.3 as batched tensor ops (no checks, no row loop): the unfused baseline."""
     bs, k = draft_token_ids.shape
     rows = torch.arange(bs)
     ids = draft_token_ids[..., None]

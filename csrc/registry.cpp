@@ -1,4 +1,4 @@
-// The one place where the dflash operator schemas live (SPEC section 3).
+// The one place where the dflash operator schemas live (docs/design.md section 3).
 //
 // Implementations register elsewhere: the CPU kernels in csrc/cpu/ (built once per CPU capability
 // and loaded at import time), the NPU launchers in csrc/npu/ (only with --device npu), and the fake
@@ -18,7 +18,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
-  // Beyond SPEC section 3: the decoder layer's small ops, each one call instead of several ATen
+  // docs/design.md section 3.4: the decoder layer's small ops, each one call instead of several ATen
   // calls (csrc/cpu/layer_ops.cpp; the PyTorch reference serves other devices).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");

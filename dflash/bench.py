@@ -1,4 +1,4 @@
-"""`dflash bench`: end-to-end DFlash vs target-only throughput on a prompt set (SPEC section 6).
+"""`dflash bench`: end-to-end DFlash vs target-only throughput on prompts (docs/design.md 6).
 
 For every concurrency it runs DFlash with adaptive verify lengths, DFlash with fixed blocks and
 the same engine without the draft on the same prompts (after a warm-up), prints one row in the
@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from . import assets, host
+from . import _optional, assets, host
 from .engine import LLM
 from .sampling import SamplingParams
 
@@ -96,6 +96,7 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         raise ValueError(f"modes must include target_only and one of adaptive / fixed (the "
                          f"baseline and what is compared with it), got {list(modes)}")
     modes = tuple(m for m in MODES if m in modes)
+    _optional.require("matplotlib", "bench", "the benchmark's plot")   # before minutes of work
     prompts_text = load_dataset(dataset, num_prompts)
     print(f"host: {host.summary()}")
     engines: dict[str, dict] = {}
@@ -195,10 +196,9 @@ def plot(rows: list[dict], path) -> None:
     """Acceptance per draft position and accepted lengths (of fixed blocks if measured: with
     adaptive lengths the later positions are verified less often), and the verify lengths the
     adaptive engine chose."""
-    import matplotlib
+    from ._optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("bench", "the benchmark's acceptance plot")
 
     modes = rows[0]["modes"]
     blocks = "fixed" if "fixed" in modes else "adaptive"

@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, default=0)
-    p.add_argument("--target-layer-ids", default=None, help="comma list; default SPEC rule")
+    p.add_argument("--target-layer-ids", default=None, help="comma list; default: docs/design.md 2")
     p.add_argument("--steps", type=int, default=4000)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--seqs-per-step", type=int, default=4)

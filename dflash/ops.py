@@ -1,5 +1,5 @@
-"""Thin Python wrappers over `torch.ops.dflash.*`: the three ops of SPEC section 3 and the decoder
-layer's small ops (CPU kernels; the PyTorch reference on other devices).
+"""Thin Python wrappers over `torch.ops.dflash.*` (docs/design.md section 3): the three ops and the
+decoder layer's small ops (CPU kernels; the PyTorch reference on other devices).
 
 Each op validates its inputs itself (shape, dtype, device, index ranges, probability values) and
 raises ValueError naming the problem, whichever implementation serves it; these wrappers add the

@@ -1,6 +1,6 @@
-"""Pure-PyTorch reference implementations of the dflash operators: the three of SPEC section 3
-and the decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache,
-panel_linear).
+"""Pure-PyTorch reference implementations of the dflash operators (docs/design.md section 3): the
+three of sections 3.1-3.3 and the decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul,
+rope, qkv_rope_cache, panel_linear).
 
 This module is the executable specification: every kernel (C++ CPU, Ascend C under emulation, NPU)
 is tested against it. It is written to be obviously right, not fast: explicit per-sequence loops,
@@ -37,7 +37,7 @@ def rope_neox(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
 def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
                positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps) -> None:
-    """Write the draft's context K/V of N tokens into every layer's paged cache (SPEC 3.1)."""
+    """Write the draft's context K/V of N tokens into each layer's paged cache (design 3.1)."""
     checks.context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                            k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                            value_caches, eps)
@@ -74,7 +74,7 @@ def paged_attention(query, key, value, key_cache, value_cache, block_table, cont
                     cu_query_lens, scale, causal) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context plus the new tokens.
 
-    Returns [Tq, Hq, D] in the query dtype (SPEC 3.2).
+    Returns [Tq, Hq, D] in the query dtype (docs/design.md 3.2).
     """
     checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
                                 context_lens, cu_query_lens, scale, causal)
@@ -112,7 +112,7 @@ def _noisy_argmax(weights: torch.Tensor, exponential: torch.Tensor) -> int:
 
 def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                      exponential) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative-decoding acceptance for a batch of drafts (SPEC 3.3).
+    """Speculative-decoding acceptance for a batch of drafts (docs/design.md 3.3).
 
     Returns (output_token_ids [Bs, K+1] int64 padded with -1, num_accepted [Bs] int64).
     """

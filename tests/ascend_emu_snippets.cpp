@@ -91,12 +91,18 @@ void ub_budget_bad(GM_ADDR, GM_ADDR) {
   pipe.InitBuffer(c, 64 * 1024 + 32);
 }
 
-void ub_budget_ok(GM_ADDR, GM_ADDR) {
+void ub_budget_ok(GM_ADDR i, GM_ADDR o) {  // out[0:8] = 3, written from the last UB bytes
+  Gm gm(i, o);
   TPipe pipe;
   TBuf<TPosition::VECCALC> a, b, c;
   pipe.InitBuffer(a, 64 * 1024);
   pipe.InitBuffer(b, 64 * 1024);
   pipe.InitBuffer(c, 64 * 1024);
+  const uint32_t last = 64 * 1024 / sizeof(float) - 8;  // the final 32 bytes of the budget
+  Duplicate(c.Get<float>()[last], 3.0f, 8);
+  SetFlag<HardEvent::V_MTE3>(0);
+  WaitFlag<HardEvent::V_MTE3>(0);
+  CopyOut(gm.out, c.Get<float>()[last], 8);
 }
 
 // ---- queue-depth: buffers, queue depth, empty queues
@@ -111,13 +117,25 @@ void queue_alloc_bad(GM_ADDR, GM_ADDR) {
   que.AllocTensor<float>();  // both buffers are taken
 }
 
-void queue_alloc_ok(GM_ADDR, GM_ADDR) {
+void queue_alloc_ok(GM_ADDR i, GM_ADDR o) {  // out[0:192] = in[0:192] + 1: 3 tiles, 2 buffers
+  Gm gm(i, o);
   TPipe pipe;
   TQue<TPosition::VECIN, 1> que;
+  TQue<TPosition::VECOUT, 1> outQue;
   pipe.InitBuffer(que, 2, 256);
-  for (int k = 0; k < 3; ++k) {
+  pipe.InitBuffer(outQue, 1, 256);
+  for (uint32_t k = 0; k < 3; ++k) {  // a freed buffer is handed out again
     LocalTensor<float> t = que.AllocTensor<float>();
+    DataCopy(t, gm.in[k * 64], 64);
+    que.EnQue(t);
+    t = que.DeQue<float>();
+    LocalTensor<float> y = outQue.AllocTensor<float>();
+    Adds(y, t, 1.0f, 64);
     que.FreeTensor(t);
+    outQue.EnQue(y);
+    y = outQue.DeQue<float>();
+    DataCopy(gm.out[k * 64], y, 64);
+    outQue.FreeTensor(y);
   }
 }
 
@@ -130,17 +148,28 @@ void queue_enque_bad(GM_ADDR, GM_ADDR) {
   que.EnQue(b);  // depth 1
 }
 
-void queue_enque_ok(GM_ADDR, GM_ADDR) {
+void queue_enque_ok(GM_ADDR i, GM_ADDR o) {  // out[0:64] = in[0:64] + in[64:128]
+  Gm gm(i, o);
   TPipe pipe;
   TQue<TPosition::VECIN, 1> que;
+  TQue<TPosition::VECOUT, 1> outQue;
   pipe.InitBuffer(que, 2, 256);
+  pipe.InitBuffer(outQue, 1, 256);
   LocalTensor<float> a = que.AllocTensor<float>(), b = que.AllocTensor<float>();
+  DataCopy(a, gm.in, 64);
   que.EnQue(a);
-  a = que.DeQue<float>();
+  a = que.DeQue<float>();  // depth 1: dequeue before the next enqueue
+  DataCopy(b, gm.in[64], 64);
   que.EnQue(b);
   b = que.DeQue<float>();
+  LocalTensor<float> y = outQue.AllocTensor<float>();
+  Add(y, a, b, 64);
   que.FreeTensor(a);
   que.FreeTensor(b);
+  outQue.EnQue(y);
+  y = outQue.DeQue<float>();
+  DataCopy(gm.out, y, 64);
+  outQue.FreeTensor(y);
 }
 
 void queue_deque_bad(GM_ADDR, GM_ADDR) {

@@ -64,12 +64,15 @@ def test_data_copy_pad_moves_exactly_the_requested_bytes():
 def test_aligned_operand_and_exact_budget_are_accepted():
     _, out, _ = run("alignment_ok")
     assert (out[:8] == 1).all() and (out[8:] == SENTINEL).all()
-    run("ub_budget_ok")
+    _, out, _ = run("ub_budget_ok")   # the last 32 bytes of the 192 KiB budget are usable
+    assert (out[:8] == 3).all() and (out[8:] == SENTINEL).all()
 
 
 def test_queue_used_within_its_buffers_and_depth():
-    run("queue_alloc_ok")
-    run("queue_enque_ok")
+    inp, out, _ = run("queue_alloc_ok")   # 3 tiles through a queue of 2 buffers
+    assert torch.equal(out[:192], inp[:192] + 1) and (out[192:] == SENTINEL).all()
+    inp, out, _ = run("queue_enque_ok")   # both buffers held, depth 1 respected
+    assert torch.equal(out[:64], inp[:64] + inp[64:128]) and (out[64:] == SENTINEL).all()
 
 
 def test_bf16_computed_in_float_matches_torch():

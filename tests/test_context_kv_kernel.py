@@ -1,4 +1,4 @@
-"""The C++ CPU kernel of dflash::context_kv against the PyTorch reference (SPEC 3.1).
+"""The C++ CPU kernel of dflash::context_kv against the PyTorch reference (docs/design.md 3.1).
 
 Both GEMMs and the hidden RMSNorm reproduce the reference bit for bit, so V must be identical; K
 goes through a float32 epilogue whose summation order may differ: within 1e-5 in float32 and

@@ -1,5 +1,5 @@
 """Target and draft models against independent oracles: Hugging Face `transformers` for the
-targets, a from-scratch non-paged forward written from SPEC section 1 for the draft."""
+targets, a from-scratch non-paged forward written from docs/design.md section 1 for the draft."""
 
 import json
 
@@ -103,7 +103,7 @@ def test_moe_routes_only_selected_experts(tmp_path):
 
 def _spec_draft_forward(tensors, cfg, features, ctx_positions, block_embeds, block_positions,
                         eps=1e-6):
-    """SPEC section 1 in plain PyTorch: context K/V recomputed from scratch, no paging."""
+    """docs/design.md section 1 in plain PyTorch: context K/V recomputed from scratch, no paging."""
     layers, heads, kv_heads, d = cfg["num_hidden_layers"], 4, 2, 16
     cos_sin = rope_cache(512, d, theta=cfg["rope_theta"])
 

@@ -152,9 +152,15 @@ def test_bad_input_raises_clear_error(op, impl):
             assert torch.equal(before.nan_to_num(7.0), now.nan_to_num(7.0))
 
 
-def test_implementation_report():
-    assert dflash.ops.implementation("rejection_sample") in ("reference",) or \
-        dflash.ops.implementation("rejection_sample").startswith("kernel")
+def test_implementation_report(monkeypatch):
+    from dflash import _library
+
+    # the test build compiles every CPU kernel: each op reports the loaded capability's kernel
+    assert _library.CPU_CAPABILITY in ("AVX512", "AVX2", "DEFAULT")
+    for op in _library.OPS:
+        assert dflash.ops.implementation(op) == f"kernel ({_library.CPU_CAPABILITY})", op
+    monkeypatch.setattr(_library, "has_kernel", lambda op: False)
+    assert dflash.ops.implementation("rejection_sample") == "reference"
     with pytest.raises(ValueError, match="unknown dflash op"):
         dflash.ops.implementation("matmul")
 

@@ -56,9 +56,10 @@ def test_demo_streams_answers_and_reports_the_speedup(smollm2):
     from dflash import demo
 
     out = io.StringIO()
-    summary = demo.run(max_tokens=48, out=out)
+    # float32: DFlash output equals target-only output exactly (bf16 rounding may flip near-ties)
+    summary = demo.run(dtype="float32", max_tokens=48, out=out)
     text = out.getvalue()
     assert text.count("Q: ") == len(demo.QUESTIONS) and "speedup" in text
     assert summary["prompts"] == len(demo.QUESTIONS)
-    assert 0 <= summary["identical_outputs"] <= len(demo.QUESTIONS)
+    assert summary["identical_outputs"] == len(demo.QUESTIONS)
     assert summary["tau"] > 1.5 and summary["dflash_tok_s"] > 0

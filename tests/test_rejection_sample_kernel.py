@@ -1,4 +1,4 @@
-"""The C++ CPU kernel of dflash::rejection_sample against the reference (SPEC 3.3).
+"""The C++ CPU kernel of dflash::rejection_sample against the reference (docs/design.md 3.3).
 
 Given the same noise the kernel must return exactly the reference's tokens (torch.equal), and for
 bad input exactly the reference's error message.

@@ -227,6 +227,34 @@ def test_exported_draft_has_a_model_card(tiny, tmp_path):
     for entry in trainer.log:
         assert f"| {entry['step']} |" in card and f"{entry['heldout_tau']:.3f}" in card
     assert (tmp_path / "draft" / "training_curve.png").stat().st_size > 0
+    # the card is rendered from the metadata saved next to it, and can be regenerated from it
+    from dflash.train.card import write_model_card
+
+    (tmp_path / "draft" / "README.md").unlink()
+    write_model_card(tmp_path / "draft", plot=False)
+    assert (tmp_path / "draft" / "README.md").read_text() == card
+
+
+def test_warm_started_card_lists_the_lineage(tiny, tmp_path):
+    _, target, _ = tiny
+    first = Trainer(target, _answers(), tmp_path / "a", _config(total_steps=10),
+                    target_name="tiny-qwen3", command="dflash train --out a")
+    first.run()
+    second = Trainer(target, _answers(), tmp_path / "b",
+                     _config(total_steps=10, init_from=str(tmp_path / "a" / "draft")),
+                     target_name="tiny-qwen3", command="dflash train --out b --init-from a/draft")
+    second.run(stop_at=5)
+    card = (tmp_path / "b" / "draft" / "README.md").read_text()
+    assert "## Lineage" in card and "| 1 | " in card and "| 2 | " in card
+    assert card.index("dflash train --out a\n") < card.index("dflash train --out b --init-from")
+    # a resumed run keeps the lineage it started with, even if its source has gone
+    import shutil
+
+    shutil.rmtree(tmp_path / "a")
+    Trainer(target, _answers(), tmp_path / "b",
+            _config(total_steps=10, init_from=str(tmp_path / "a" / "draft")),
+            target_name="tiny-qwen3", command="dflash train --out b --init-from a/draft").run()
+    assert "dflash train --out a\n" in (tmp_path / "b" / "draft" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("dtype", packed_weight_dtypes(), ids=str)

@@ -1,4 +1,4 @@
-// dflash::context_kv on CPU (SPEC 3.1): write the draft's context K/V of N tokens into every
+// dflash::context_kv on CPU (docs/design.md 3.1): write the draft's context K/V of N tokens into every
 // layer's paged cache.
 //
 // Precision follows dflash/reference.py step by step:

@@ -1,4 +1,4 @@
-// CPU kernel for dflash::paged_attention (SPEC 3.2): flash-style attention of each sequence's new
+// CPU kernel for dflash::paged_attention (docs/design.md 3.2): flash-style attention of each sequence's new
 // tokens over its paged context plus the new tokens, causal or not, from one code path.
 //
 // Work item = (sequence, kv head, tile of query rows). All query heads of the kv head's GQA group

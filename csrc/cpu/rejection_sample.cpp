@@ -1,4 +1,4 @@
-// CPU kernel for dflash::rejection_sample (SPEC 3.3); dflash/reference.py is the specification.
+// CPU kernel for dflash::rejection_sample (docs/design.md 3.3); dflash/reference.py is the specification.
 //
 // The op is memory bound: validation must read every probability once, and the sampling itself
 // touches only a few rows per sequence. So it runs in two parallel phases:

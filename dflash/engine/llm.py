@@ -1,4 +1,4 @@
-"""`dflash.LLM`: load a target (and optionally a DFlash draft) and generate (SPEC 4.1)."""
+"""`dflash.LLM`: load a target (and optionally a DFlash draft) and generate (docs/design.md 4.1)."""
 
 from __future__ import annotations
 

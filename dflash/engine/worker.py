@@ -1,4 +1,4 @@
-"""The model worker: one batched call per stage for all running sequences (SPEC 4.2).
+"""The model worker: one batched call per stage for all running sequences (docs/design.md 4.2).
 
 A decode step for a batch of sequences, each with `n` cached tokens, a pending last token and a
 verify length k (0..B-1, chosen by the scheduler):

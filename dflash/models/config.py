@@ -1,4 +1,4 @@
-"""Model configurations read from Hugging Face `config.json` dicts (SPEC section 2)."""
+"""Model configurations read from Hugging Face `config.json` dicts (docs/design.md section 2)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class TargetConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """SPEC section 2: [L // 2] for one draft layer, else round(1 + i * (L - 4) / (n - 1))."""
+    """docs/design.md 2: [L // 2] for one draft layer, else round(1 + i * (L - 4) / (n - 1))."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1))

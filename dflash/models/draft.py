@@ -1,4 +1,4 @@
-"""The DFlash draft model (SPEC sections 1-2).
+"""The DFlash draft model (docs/design.md sections 1-2).
 
 A stack of Qwen3 pre-norm layers without embedding or lm_head (both borrowed from the target).
 Context tokens (committed tokens' target features) only contribute K/V, materialized once through

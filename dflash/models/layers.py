@@ -13,7 +13,7 @@ from .config import AttentionConfig
 
 @dataclass
 class AttentionMetadata:
-    """Where a batch of new tokens sits in the paged caches (SPEC 3.2).
+    """Where a batch of new tokens sits in the paged caches (docs/design.md 3.2).
 
     Sequence b owns rows [cu_query_lens[b], cu_query_lens[b+1]) of the flattened tokens; its
     context_lens[b] cached tokens are read through block_table[b].
@@ -57,7 +57,7 @@ def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> Att
 
 
 # Above this many rows (long prefills) MKL's blocked GEMM beats panel_linear's weight streaming,
-# even counting the copy back to [N, K] (session 6, ad hoc on SmolLM2's gate_up and down shapes:
+# even counting the copy back to [N, K] (measured ad hoc on SmolLM2's gate_up and down shapes:
 # 2048 rows 0.88x the time, 512 rows 1.04x).
 PANEL_MAX_ROWS = 1024
 

@@ -338,7 +338,7 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
 
 def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu") -> DFlashDraft:
-    """A DFlashDraftModel directory, validated against its target (SPEC section 2)."""
+    """A DFlashDraftModel directory, validated against its target (docs/design.md section 2)."""
     path = _resolve(path)
     cfg = DraftConfig.from_hf(read_config(path), target)
     model = DFlashDraft(cfg, target.attn.hidden_size)
@@ -390,7 +390,7 @@ def disassemble(model: torch.nn.Module, recipe: dict[str, Source]) -> dict[str, 
 
 def save_draft(draft: DFlashDraft, directory, target_hidden: int, extra_config: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write `draft` as a DFlashDraftModel checkpoint (SPEC section 2): config.json +
+    """Write `draft` as a DFlashDraftModel checkpoint (docs/design.md section 2): config.json +
     model.safetensors with per-layer k_proj / v_proj / k_norm and no `model.` prefix."""
     from safetensors.torch import save_file
 

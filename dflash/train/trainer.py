@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .._optional import require
 from ..models import DFlashDraft, DraftConfig, TargetModel, default_target_layer_ids
 from ..models.config import AttentionConfig
 from ..models.layers import unpacked
 from ..models.loader import load_draft, save_draft
-from .card import write_model_card
+from .card import inherited_lineage, save_training_metadata, training_metadata, write_model_card
 from .features import cached_features
 from .objective import Batch, block_logits, draft_loss, predictions, sample_anchors, target_features
 
@@ -32,7 +33,7 @@ class TrainConfig:
     intermediate_size: int | None = None       # default: the target's
     block_size: int = 16
     mask_token_id: int = 0
-    target_layer_ids: list[int] | None = None  # default: SPEC section 2 rule
+    target_layer_ids: list[int] | None = None  # default: docs/design.md section 2 rule
     gamma: float = 7.0
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
@@ -159,6 +160,9 @@ class Trainer:
         exported draft's model card."""
         self.target, self.tc, self.out = target, tc, Path(out_dir)
         self.target_name, self.command = target_name, command
+        require("matplotlib", "train", "dflash train (the model card's training curve)")
+        # the runs this one continues (from --init-from's metadata); kept in the checkpoint
+        self.lineage = inherited_lineage(tc.init_from)
         self.out.mkdir(parents=True, exist_ok=True)
         usable = [r for r in answers if len(r["answer_ids"]) >= 2]
         # rows may name the question they derive from (`group`, e.g. a number variant): no
@@ -206,6 +210,7 @@ class Trainer:
         self.step, self.elapsed, self.log = state["step"], state["elapsed"], state["log"]
         self.order = state["order"]
         self.generator.set_state(state["generator"])
+        self.lineage = state.get("lineage", self.lineage)
 
     def _warm_start(self, directory) -> None:
         """Weights of an exported draft with the same configuration, or with fewer layers: a
@@ -242,7 +247,8 @@ class Trainer:
         state = {"draft": self.draft.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step, "elapsed": self.elapsed, "log": self.log,
                  "order": self.order, "generator": self.generator.get_state(),
-                 "draft_vocab": self.draft.draft_vocab, "config": asdict(self.tc)}
+                 "draft_vocab": self.draft.draft_vocab, "config": asdict(self.tc),
+                 "lineage": self.lineage}
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "checkpoint.pt")
@@ -250,8 +256,10 @@ class Trainer:
                    extra_config={"dflash_training": {"step": self.step,
                                                      "elapsed_s": round(self.elapsed)}})
         (self.out / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.log))
-        write_model_card(self.out / "draft", self.tc, self.log, self.train_rows, self.heldout,
-                         self.target_name, self.command)
+        save_training_metadata(self.out / "draft", training_metadata(
+            self.tc, self.log, self.train_rows, self.heldout, self.target_name, self.command,
+            self.lineage))
+        write_model_card(self.out / "draft")
 
     # ---------------------------------------------------------------------------- train
     def _next_batch(self) -> tuple[Batch, list[int]]:
