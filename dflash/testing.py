@@ -313,5 +313,8 @@ class RandomVerifySchedule:
     def observe(self, *args):
         pass
 
+    def observe_time(self, *args):
+        pass
+
     def forget(self, request_id):
         pass

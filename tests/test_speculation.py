@@ -107,6 +107,28 @@ def test_planner_stops_speculating_when_it_cannot_pay_and_probes_later():
     assert any(any(ks) for ks in plans[50:])            # ... with an occasional probe
 
 
+def test_planner_learns_that_speculative_steps_cost_more_than_calibrated():
+    model = CostModel({1: 1.0, 64: 1.0}, {1: 0.01, 4: 0.04})   # flat: verify every draft
+    planner = Planner(7, model)
+    requests = [type("R", (), {"request_id": i})() for i in range(4)]
+    for r in requests:
+        planner._estimate(r.request_id).rates = [0.5] * 7
+    assert planner.plan(requests) == [7] * 4
+    for _ in range(200):   # every speculative step takes 3x its prediction, others 1x
+        planner.observe_time([7] * 4, 3.0 * (model.target(32) + model.draft(4)))
+        planner.observe_time([0] * 4, model.target(4))
+    assert planner.time_factor[True] == pytest.approx(3.0, rel=1e-3)
+    assert planner.time_factor[False] == pytest.approx(1.0)
+    assert planner.plan(requests) == [0] * 4   # 4 tokens in 1 s beat ~7.9 in 3 s
+
+
+def test_unverified_positions_do_not_keep_an_optimistic_prior():
+    a = Acceptance([0.75] * 4)
+    a.observe(verified=1, accepted=0, alpha=1.0)   # position 1: rejected, 2..4 never seen
+    a.rates[0] = 0.4
+    assert a.cumulative() == pytest.approx([0.4, 0.16, 0.064, 0.0256])
+
+
 # ------------------------------------------------------------------ exactness under any schedule
 @pytest.mark.parametrize("max_num_seqs", [1, 8])
 def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seqs):
@@ -161,7 +183,8 @@ def test_worker_rejects_a_bad_schedule(models):
     target, draft = models
     llm = LLM(target, draft, dtype="float32", speculation="fixed")
     llm.planner = SimpleNamespace(plan=lambda rs: [B] * len(rs),   # one more than a block has
-                                  observe=lambda *a: None, forget=lambda i: None)
+                                  observe=lambda *a: None, observe_time=lambda *a: None,
+                                  forget=lambda i: None)
     with pytest.raises(ValueError, match=r"num_drafts must hold one count in \[0, 7\]"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
     assert llm.allocator.num_free == llm.allocator.num_blocks

@@ -274,8 +274,9 @@ class LLM:
                         raise RuntimeError("internal error: cache blocks were not returned")
                     continue
                 num_drafts = self._plan(running)
+                step_start = time.perf_counter()
                 emitted, accepted = self.worker.step(running, self.proposer, num_drafts)
-                self._record(running, num_drafts, accepted)
+                self._record(running, num_drafts, accepted, time.perf_counter() - step_start)
                 for r, tokens in zip(running, emitted):
                     commit(r, tokens)
                 running = self._retire(running, progress)
@@ -295,9 +296,11 @@ class LLM:
             return [self.block_size - 1] * len(running)
         return self.planner.plan(running)
 
-    def _record(self, running: list[Request], num_drafts: list[int], accepted: list[int]):
+    def _record(self, running: list[Request], num_drafts: list[int], accepted: list[int],
+                seconds: float):
         if self.planner is not None:
             self.planner.observe(running, num_drafts, accepted)
+            self.planner.observe_time(num_drafts, seconds)
         self._steps += 1
         self._draft_skipped += self.block_size > 1 and not any(num_drafts)
         for r, k, a in zip(running, num_drafts, accepted):
@@ -357,6 +360,9 @@ class LLM:
             # request-steps that verified k drafts, k = 0..B-1
             "verify_length_histogram": list(self._verify_lengths),
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
+            # measured / predicted step time (speculating, not), as the planner corrects it
+            "cost_model_correction": None if self.planner is None else
+            getattr(self.planner, "time_factor", None),
         }
 
     def reset_metrics(self) -> None:

@@ -9,9 +9,11 @@ off by itself, and turned back on when it pays again.
 
 Acceptance is estimated per draft position as the conditional probability that draft j is
 accepted given that drafts 1..j-1 were, exponentially weighted, per request (starting from, and
-drifting back to, the engine-wide estimate) and engine-wide. Choosing k from past acceptance only
-(never from the current drafts) keeps verification exact: greedy output is the target's own, and
-sampled output keeps the target distribution.
+drifting back to, the engine-wide estimate) and engine-wide. The cost model is corrected by the
+measured time of every step (an exponentially weighted ratio of measured to predicted time, one
+for steps that speculate and one for steps that do not). Choosing k from past acceptance and
+timings only (never from the current drafts) keeps verification exact: greedy output is the
+target's own, and sampled output keeps the target distribution.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ REQUEST_ALPHA = 0.2     # weight of one observation in a request's own estimate
 ENGINE_ALPHA = 0.02     # ... in the engine-wide estimate
 RELAX = 0.05            # per unobserved step, how far a request's estimate drifts to the engine's
 PROBE_EVERY = 64        # steps with speculation off before one sequence verifies a full block
+TIME_ALPHA = 0.05       # weight of one step's measured / predicted time in the correction
 
 
 class Acceptance:
@@ -42,10 +45,13 @@ class Acceptance:
         self.rates = [a + weight * (b - a) for a, b in zip(self.rates, other.rates)]
 
     def cumulative(self) -> list[float]:
-        """P(drafts 1..j all accepted) for j = 1..K."""
-        out, p = [], 1.0
+        """P(drafts 1..j all accepted) for j = 1..K, with each conditional rate capped by the
+        ones before it: later drafts are rarely better than earlier ones, and positions that were
+        never verified would otherwise keep their optimistic prior."""
+        out, p, cap = [], 1.0, 1.0
         for r in self.rates:
-            p *= r
+            cap = min(cap, r)
+            p *= cap
             out.append(p)
         return out
 
@@ -93,11 +99,17 @@ class Planner:
         self._requests: dict[int, Acceptance] = {}
         self._off_steps = 0
         self._probe = 0
+        # measured / predicted step time, for steps that speculate and steps that do not: the
+        # calibration times one layout of rows at one context length, real batches differ
+        self.time_factor = {True: 1.0, False: 1.0}
 
     def plan(self, requests) -> list[int]:
         estimates = [self._estimate(r.request_id) for r in requests]
-        ks = choose_num_drafts([e.cumulative() for e in estimates], self.cost_model.target,
-                               self.cost_model.draft)
+        n, factor = len(requests), self.time_factor
+        ks = choose_num_drafts(
+            [e.cumulative() for e in estimates],
+            lambda rows: self.cost_model.target(rows) * factor[rows > n],
+            lambda d: self.cost_model.draft(d) * factor[True])
         if any(ks):
             self._off_steps = 0
         else:
@@ -116,6 +128,14 @@ class Planner:
                 continue
             estimate.observe(k, a, REQUEST_ALPHA)
             self.engine.observe(k, a, ENGINE_ALPHA)
+
+    def observe_time(self, num_drafts: list[int], seconds: float) -> None:
+        """Correct the cost model by a step's measured time (EW ratio to its prediction)."""
+        speculating = any(num_drafts)
+        predicted = self.cost_model.target(len(num_drafts) + sum(num_drafts)) + \
+            self.cost_model.draft(sum(k > 0 for k in num_drafts))
+        ratio = min(max(seconds / predicted, 0.25), 4.0)   # one preempted step moves it little
+        self.time_factor[speculating] += TIME_ALPHA * (ratio - self.time_factor[speculating])
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)

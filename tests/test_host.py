@@ -1,0 +1,24 @@
+"""The host description recorded with every benchmark: the CPU model and flags as lscpu sees
+them."""
+
+import shutil
+import subprocess
+
+import pytest
+
+from dflash import host
+
+
+@pytest.mark.skipif(shutil.which("lscpu") is None, reason="lscpu (util-linux) is not installed")
+def test_flags_and_model_match_lscpu(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(fields["Flags"].split())
+    info = host.describe()
+    assert info["cpu"] == fields["Model name"].strip()
+    assert {f: info[f] for f in host.FLAGS} == {f: f in flags for f in host.FLAGS}
+    assert info["onednn_max_cpu_isa"] == "AVX512_CORE"
+    line = host.summary(info)
+    assert line.startswith(info["cpu"]) and "ONEDNN_MAX_CPU_ISA=AVX512_CORE" in line
+    assert all(f in line for f in host.FLAGS)   # each flag named, as present or as missing
