@@ -31,6 +31,9 @@ class SamplingParams:
     top_k: keep the k most likely tokens (ties at the k-th logit are all kept); 0 disables.
     top_p: keep the smallest most-likely set whose probability reaches top_p; 1 disables.
     max_tokens: generation budget (new tokens). stop_token_ids: extra tokens that end the request.
+    stop: strings that end the request when they appear in the output text (found across token
+    boundaries and inside an accepted block; the text ends before the match, and the tokens after
+    the one that completed it are dropped). Needs a tokenizer.
     ignore_eos: keep generating past EOS. seed: per-request seed; None draws a fresh random seed.
     """
 
@@ -41,6 +44,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -57,6 +61,11 @@ class SamplingParams:
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {bad[0]!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        self.stop = stop
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
 

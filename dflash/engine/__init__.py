@@ -1,7 +1,8 @@
 """The DFlash engine: scheduler, worker and paged caches."""
 
 from .cache import BlockAllocator
+from .engine import LLMEngine, StepOutput
 from .llm import LLM
 from .request import RequestMetrics, RequestOutput
 
-__all__ = ["LLM", "BlockAllocator", "RequestMetrics", "RequestOutput"]
+__all__ = ["LLM", "LLMEngine", "StepOutput", "BlockAllocator", "RequestMetrics", "RequestOutput"]

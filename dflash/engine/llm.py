@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +14,8 @@ from ..sampling import SamplingParams
 from . import cost_model, distributed
 from .cache import BlockAllocator
 from .cost_model import CostModel
+from .detokenizer import IncrementalDetokenizer
+from .engine import LLMEngine
 from .request import Request, RequestOutput
 from .speculation import Planner, expected_rate
 from .worker import Worker
@@ -204,20 +205,30 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _request(self, prompt, params: SamplingParams) -> Request:
-        ids = self.encode(prompt)
-        if len(ids) + self.block_size > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit: prompt + one block of "
-                             f"{self.block_size} exceeds max_model_len {self.max_model_len}")
-        if self.allocator.blocks_for(self._reservation(len(ids), params)) > \
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, naming the sizes, if a request of these prompt tokens and params
+        can never run here (too long for max_model_len or for the whole cache)."""
+        if len(prompt_ids) + self.block_size > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit: prompt + one "
+                             f"block of {self.block_size} exceeds max_model_len "
+                             f"{self.max_model_len}")
+        if self.allocator.blocks_for(self._reservation(len(prompt_ids), params)) > \
                 self.allocator.num_blocks:
-            raise ValueError(f"request of {len(ids)} prompt tokens + max_tokens "
+            raise ValueError(f"request of {len(prompt_ids)} prompt tokens + max_tokens "
                              f"{params.max_tokens} does not fit in the {self.allocator.num_blocks}"
                              f" cache blocks of {self.allocator.block_size} tokens: raise "
                              "num_kv_blocks or lower max_tokens")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this target has none)")
+
+    def _request(self, prompt, params: SamplingParams, detokenize: bool = False) -> Request:
+        ids = self.encode(prompt)
+        self.validate(ids, params)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None \
+            and (detokenize or params.stop) else None
         request = Request(self._next_id, ids, params, sampling.make_generator(params),
-                          frozenset(stop))
+                          frozenset(stop), detok)
         self._next_id += 1
         return request
 
@@ -239,55 +250,28 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        requests = [self._request(p, sp) for p, sp in zip(prompts, params)]
-        index = {r.request_id: i for i, r in enumerate(requests)}
-        progress = _progress(len(requests)) if use_tqdm else None
+        index = {}
+        engine = LLMEngine(self, on_tokens=None if on_tokens is None else
+                           lambda request_id, new: on_tokens(index[request_id], new))
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            index[engine.add_request(p, sp)] = i
+        outputs: list[RequestOutput | None] = [None] * len(index)
+        progress = _progress(len(index)) if use_tqdm else None
         start = time.perf_counter()
-        for r in requests:
+        for r in engine.waiting:
             r.metrics.arrival_time = start
-
-        def commit(request, tokens):
-            before = len(request.output_ids)
-            request.append(tokens)
-            if on_tokens is not None:
-                on_tokens(index[request.request_id], request.output_ids[before:])
-            if len(request.tokens) + self.block_size > self.max_model_len and \
-                    not request.finished:
-                request.finish_reason = "length"
-                request.metrics.finish_time = time.perf_counter()
-
-        waiting, running = deque(requests), []
         try:
-            while waiting or running:
-                admitted = []
-                while waiting and len(running) + len(admitted) < self.max_num_seqs and \
-                        self.allocator.grow(waiting[0].block_table, self._reservation(
-                            len(waiting[0].prompt_ids), waiting[0].params)):
-                    admitted.append(waiting.popleft())
-                if admitted:
-                    for r, token in zip(admitted, self.worker.prefill(admitted)):
-                        commit(r, [token])
-                    running += admitted
-                running = self._retire(running, progress)
-                if not running:
-                    if waiting and not admitted:   # all blocks are free: it must have fit
-                        raise RuntimeError("internal error: cache blocks were not returned")
-                    continue
-                num_drafts = self._plan(running)
-                step_start = time.perf_counter()
-                emitted, accepted = self.worker.step(running, self.proposer, num_drafts)
-                self._record(running, num_drafts, accepted, time.perf_counter() - step_start)
-                for r, tokens in zip(running, emitted):
-                    commit(r, tokens)
-                running = self._retire(running, progress)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        outputs[index[out.request_id]] = out.output
+                        if progress is not None:
+                            progress.update(1)
         finally:
-            for r in running:   # an error mid-run must not leak cache blocks
-                self.allocator.free(r.block_table)
             if progress is not None:
                 progress.close()
         self._elapsed += time.perf_counter() - start
-        self._totals += [r.metrics for r in requests]
-        return [self._output(r) for r in requests]
+        return outputs
 
     def _plan(self, running: list[Request]) -> list[int]:
         if self.block_size == 1:
@@ -308,21 +292,11 @@ class LLM:
             if k > 0:
                 r.metrics.record_step(k, a)
 
-    def _retire(self, running: list[Request], progress) -> list[Request]:
-        for r in running:
-            if r.finished:
-                if self.planner is not None:
-                    self.planner.forget(r.request_id)
-                self.allocator.free(r.block_table)
-                if progress is not None:
-                    progress.update(1)
-        return [r for r in running if not r.finished]
-
     def _output(self, r: Request) -> RequestOutput:
-        text = None if self.tokenizer is None else \
+        text = r.detok.text if r.detok is not None else None if self.tokenizer is None else \
             self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return RequestOutput(r.request_id, r.prompt_ids, r.output_ids, text, r.finish_reason,
-                             r.metrics)
+                             r.metrics, r.stop_reason, r.error)
 
     # ---------------------------------------------------------------------------- metrics
     def metrics(self) -> dict:

@@ -56,8 +56,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str           # "stop" (a stop / eos token) or "length" (max_tokens)
+    finish_reason: str           # "stop" (a stop token or string), "length" (max_tokens or
+    #                              max_model_len), "abort" (LLMEngine.abort) or "error"
     metrics: RequestMetrics
+    stop_reason: int | str | None = None   # the stop token id or stop string that ended it
+    error: str | None = None               # finish_reason "error": what went wrong
 
 
 class Request:
@@ -65,7 +68,7 @@ class Request:
     the next step feeds to the target (its K/V are not cached yet)."""
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None, stop_ids: frozenset[int]):
+                 generator: torch.Generator | None, stop_ids: frozenset[int], detok=None):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -75,6 +78,9 @@ class Request:
         self.block_table: list[int] = []
         self.num_cached = 0   # tokens with cached target K/V and draft context
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.detok = detok      # an IncrementalDetokenizer, or None (no text, no stop strings)
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids),
                                       arrival_time=time.perf_counter())
 
@@ -87,16 +93,25 @@ class Request:
         return self.finish_reason is not None
 
     def append(self, new_tokens: list[int]) -> None:
-        """Commit emitted tokens, honouring stop tokens and max_tokens exactly."""
+        """Commit emitted tokens, honouring stop tokens, stop strings and max_tokens exactly."""
         if self.metrics.first_token_time is None and new_tokens:
             self.metrics.first_token_time = time.perf_counter()
         for token in new_tokens:
             self.output_ids.append(token)
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
+            if self.detok is not None and self.detok.add(token):
+                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
+            elif token in self.stop_ids:
+                self.finish_reason, self.stop_reason = "stop", token
             elif len(self.output_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"
             if self.finished:
-                self.metrics.finish_time = time.perf_counter()
+                self.finish(self.finish_reason)
                 break
         self.metrics.generated_tokens = len(self.output_ids)
+
+    def finish(self, reason: str) -> None:
+        """End the request (the detokenizer flushes; the finish time is recorded)."""
+        self.finish_reason = reason
+        if self.detok is not None:
+            self.detok.finish()
+        self.metrics.finish_time = time.perf_counter()

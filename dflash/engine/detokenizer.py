@@ -1,0 +1,83 @@
+"""Incremental detokenization and stop strings (docs/design.md 4.5).
+
+Text is produced token by token, as streaming needs it, and is always what decoding the whole
+output at once gives:
+
+- Each new token is decoded together with the few tokens before it (`decode(ids[prefix:])` minus
+  `decode(ids[prefix:read])`), so tokenizers that treat a leading space or a merge differently at
+  the start of a slice still produce the right characters.
+- While the decoded tail ends in U+FFFD (a multi-byte UTF-8 character or a byte-fallback sequence
+  cut in the middle), nothing is emitted; the characters appear once the bytes that complete them
+  arrive. `finish()` flushes what is left (a sequence that stays invalid decodes to U+FFFD, as it
+  does in the full decode).
+- Stop strings are searched in the text after every token, so one that spans token boundaries,
+  or completes in the middle of an accepted block, is found at the token that completes it. The
+  text is cut before the match (vLLM's behaviour without `include_stop_str_in_output`).
+- Streamed deltas hold back the last `len(longest stop string) - 1` characters until the request
+  finishes, since they may be the start of a match: the concatenated deltas equal the final text.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""                 # decoded so far (cut before a stop string once matched)
+        self.stop_reason: str | None = None
+        self.finished = False
+        self._prefix = 0               # ids[_prefix:_read] were decoded last time, for context
+        self._read = 0
+        self._sent = 0                 # characters of `text` handed out by take_delta()
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token: int) -> bool:
+        """Append one token; True when it completes a stop string (the text is then cut)."""
+        if self.finished:
+            raise RuntimeError("the detokenizer has finished")
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+            return False   # no complete character yet
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._append(after[len(before):])
+
+    def _append(self, new: str) -> bool:
+        start = max(0, len(self.text) - self._hold)
+        self.text += new
+        if not self.stop:
+            return False
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if not found:
+            return False
+        index, self.stop_reason = min(found)
+        self.text = self.text[:index]
+        self.finished = True
+        return True
+
+    def finish(self) -> None:
+        """No more tokens: flush the characters still waiting for bytes (once)."""
+        if self.finished:
+            return
+        rest = self._decode(self.ids[self._prefix:])[len(self._decode(
+            self.ids[self._prefix:self._read])):] if self._read < len(self.ids) else ""
+        if rest:
+            self._append(rest)
+        self.finished = True
+
+    def take_delta(self) -> str:
+        """The text not handed out yet; before the end, minus the characters a stop string
+        might still claim."""
+        end = len(self.text) if self.finished else max(self._sent, len(self.text) - self._hold)
+        delta = self.text[self._sent:end]
+        self._sent = end
+        return delta

@@ -1,0 +1,226 @@
+"""The online engine: requests join and leave between steps (docs/design.md 4.5).
+
+`LLM.generate` is a loop over it; `dflash serve` steps it in a background thread. One `step()` is
+one scheduler iteration: admit waiting requests whose whole cache reservation is free (up to
+max_num_seqs) and prefill them, then one decode step (draft, verify, commit) for every running
+request. Finished and aborted requests give their cache blocks back at once.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+from ..sampling import SamplingParams
+from .request import Request, RequestMetrics, RequestOutput
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request. Unpacks as (request_id, new_token_ids, finished,
+    finish_reason)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    text: str | None = None                 # the new text (None without a detokenizer)
+    output: RequestOutput | None = None     # the whole output, once finished
+    metrics: RequestMetrics | None = None   # the request's figures so far
+
+    def __iter__(self):
+        yield from (self.request_id, self.new_token_ids, self.finished, self.finish_reason)
+
+
+class LLMEngine:
+    """Continuous batching over an `LLM`'s worker, caches, planner and metrics.
+
+    Args:
+        llm: the `dflash.LLM` whose models, cache allocator and verify-length planner are used.
+        isolate_errors: False (what `generate` uses): an error inside a step frees the cache
+            blocks of every request in flight and propagates. True (what the server uses): when a
+            batched model call raises, each of its requests runs again alone; the ones that still
+            raise finish with finish_reason "error" (and `output.error`), the others continue.
+        on_tokens: `on_tokens(request_id, new_token_ids)`, called as tokens are committed.
+
+    Not thread-safe: one thread calls add_request, abort and step (the server's engine thread).
+    """
+
+    def __init__(self, llm, isolate_errors: bool = False, on_tokens=None):
+        self.llm = llm
+        self.isolate_errors = isolate_errors
+        self.on_tokens = on_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_steps = 0
+        self._admitting: list[Request] = []
+        self._requests: dict[int, Request] = {}   # live or not yet reported as finished
+        self._reported: dict[int, int] = {}       # output tokens already handed out
+        self._done: list[Request] = []            # ended between steps (aborts)
+
+    # ----------------------------------------------------------------------------- requests
+    def add_request(self, prompt, params: SamplingParams | None = None, detokenize: bool = False,
+                    arrival_time: float | None = None) -> int:
+        """Queue a prompt (a string or token ids); returns its request id. `detokenize`: keep
+        the text incrementally (`StepOutput.text` deltas); stop strings imply it. Raises
+        ValueError for a request that can never run (too long, bad token ids)."""
+        r = self.llm._request(prompt, params or SamplingParams(), detokenize=detokenize)
+        if arrival_time is not None:
+            r.metrics.arrival_time = arrival_time
+        self.waiting.append(r)
+        self._requests[r.request_id] = r
+        return r.request_id
+
+    def abort(self, request_id: int) -> bool:
+        """End a waiting or running request now (finish_reason "abort"): its cache blocks are
+        free before the next step, which reports it. False if it is unknown or already over."""
+        r = self._requests.get(request_id)
+        if r is None or r.finished:
+            return False
+        if r in self.running:
+            self.running.remove(r)
+        else:
+            self.waiting.remove(r)
+        r.finish("abort")
+        self._release(r)
+        self._done.append(r)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits, runs, or has an end the next step() will report."""
+        return bool(self.waiting or self.running or self._done)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --------------------------------------------------------------------------------- step
+    def step(self) -> list[StepOutput]:
+        """One scheduler iteration; one output per request that got tokens or ended."""
+        touched, self._done = self._done, []
+        try:
+            self._schedule(touched)
+        except Exception as error:
+            in_flight = list({id(r): r for r in self.running + self._admitting}.values())
+            self.running, self._admitting = [], []
+            if not self.isolate_errors:
+                for r in in_flight:   # an error mid-run must not leak cache blocks
+                    self._release(r, count=False)
+                raise
+            for r in in_flight:
+                if not r.finished:
+                    self._fail(r, error)
+                self._release(r)
+            touched += in_flight
+        seen, outputs = set(), []
+        for r in touched:
+            if r.request_id not in seen:
+                seen.add(r.request_id)
+                outputs.append(self._report(r))
+        return outputs
+
+    def _schedule(self, touched: list[Request]) -> None:
+        llm = self.llm
+        admitted = self._admitting
+        while self.waiting and len(self.running) + len(admitted) < llm.max_num_seqs and \
+                llm.allocator.grow(self.waiting[0].block_table, llm._reservation(
+                    len(self.waiting[0].prompt_ids), self.waiting[0].params)):
+            admitted.append(self.waiting.popleft())
+        admitted_any = bool(admitted)
+        if admitted:
+            ok, _, first = self._call(lambda rs, ks: llm.worker.prefill(rs), admitted)
+            for r, token in zip(ok, first):
+                self._commit(r, [token])
+            self.running += admitted   # the ones that failed are finished: retired below
+            touched += admitted
+            self._admitting = admitted = []
+        self._retire()
+        if not self.running:
+            if self.waiting and not admitted_any:   # all blocks are free: it must have fit
+                raise RuntimeError("internal error: cache blocks were not returned")
+            return
+        running = list(self.running)
+        touched += running
+        num_drafts = llm._plan(running)
+        step_start = time.perf_counter()
+        ok, ks, results = self._call(
+            lambda rs, ks: list(zip(*llm.worker.step(rs, llm.proposer, ks))), running,
+            num_drafts)
+        llm._record(ok, ks, [accepted for _, accepted in results],
+                    time.perf_counter() - step_start)
+        for r, (tokens, _) in zip(ok, results):
+            self._commit(r, tokens)
+        self._retire()
+        self.num_steps += 1
+
+    def _call(self, fn, requests: list[Request], ks: list[int] | None = None):
+        """fn(requests, ks) -> one result per request, for the requests (and their ks) that
+        succeeded; see isolate_errors."""
+        try:
+            return requests, ks, fn(requests, ks)
+        except Exception as error:
+            if not self.isolate_errors:
+                raise
+            if len(requests) == 1:
+                self._fail(requests[0], error)
+                return [], [], []
+        ok, ok_ks, results = [], [], []
+        for i, r in enumerate(requests):
+            k = None if ks is None else [ks[i]]
+            try:
+                result = fn([r], k)
+            except Exception as error:
+                self._fail(r, error)
+                continue
+            ok.append(r)
+            ok_ks.append(None if ks is None else ks[i])
+            results.append(result[0])
+        return ok, ok_ks, results
+
+    def _commit(self, r: Request, tokens: list[int]) -> None:
+        before = len(r.output_ids)
+        r.append(tokens)
+        if self.on_tokens is not None:
+            self.on_tokens(r.request_id, r.output_ids[before:])
+        if len(r.tokens) + self.llm.block_size > self.llm.max_model_len and not r.finished:
+            r.finish("length")
+
+    def _fail(self, r: Request, error: Exception) -> None:
+        r.error = f"{type(error).__name__}: {error}"
+        print(f"dflash: request {r.request_id} failed:\n"
+              + "".join(traceback.format_exception(error)), file=sys.stderr, flush=True)
+        r.finish("error")
+
+    def _retire(self) -> None:
+        for r in self.running:
+            if r.finished:
+                self._release(r)
+        self.running = [r for r in self.running if not r.finished]
+
+    def _release(self, r: Request, count: bool = True) -> None:
+        llm = self.llm
+        if llm.planner is not None:
+            llm.planner.forget(r.request_id)
+        llm.allocator.free(r.block_table)
+        if count:
+            llm._totals.append(r.metrics)
+
+    def _report(self, r: Request) -> StepOutput:
+        start = self._reported.get(r.request_id, 0)
+        new = r.output_ids[start:]
+        self._reported[r.request_id] = len(r.output_ids)
+        text = None if r.detok is None else r.detok.take_delta()
+        output = None
+        if r.finished:
+            output = self.llm._output(r)
+            self._requests.pop(r.request_id, None)
+            self._reported.pop(r.request_id, None)
+        return StepOutput(r.request_id, new, r.finished, r.finish_reason, text, output,
+                          r.metrics)
