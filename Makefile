@@ -8,7 +8,7 @@ PIP = $(PYTHON) -m pip
 install:
 	$(PIP) install torch==2.13.0
 	$(PIP) install setuptools wheel ninja
-	$(PIP) install --no-build-isolation -e ".[test,bench,train]"
+	$(PIP) install --no-build-isolation -e ".[test,bench,train,serve]"
 
 demo: install
 	dflash demo

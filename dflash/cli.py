@@ -1,4 +1,4 @@
-"""The `dflash` command line: generate, selfcheck (and the demo, bench and train commands)."""
+"""The `dflash` command line: generate, serve, selfcheck (and the demo, bench, train commands)."""
 
 from __future__ import annotations
 
@@ -181,6 +181,29 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .engine import LLM
+
+    try:
+        from .serve import Server
+    except ImportError as e:
+        print(f"dflash serve: {e}", file=sys.stderr)
+        return 2
+    target = resolve_target(args.target)
+    llm = LLM(target, resolve_draft(args), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, speculation=args.speculation,
+              recalibrate=args.recalibrate)
+    if llm.tokenizer is None:
+        print("dflash serve: the target has no tokenizer", file=sys.stderr)
+        return 2
+    with llm:
+        Server(llm, args.served_model_name or _target_name(args.target), host=args.host,
+               port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+               grace_period=args.grace_period, root=str(target),
+               log_level=args.log_level).run()
+    return 0
+
+
 def _selfcheck(args: argparse.Namespace) -> int:
     from . import selfcheck
 
@@ -277,6 +300,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                                      "/v1/chat/completions, /metrics)")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="target checkpoint (HF directory or GGUF); default: bundled SmolLM2-135M")
+    p.add_argument("--draft", default=None,
+                   help="DFlash draft directory; default: the bundled draft for the default target")
+    p.add_argument("--no-draft", action="store_true", help="target-only decoding (baseline)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting beyond max-num-seqs; more get 503 with Retry-After")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default min(4096, the target's))")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the target's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--grace-period", type=float, default=10.0,
+                   help="seconds SIGTERM / Ctrl-C lets running requests finish before they "
+                        "are aborted")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
+    add_engine_args(p)
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("selfcheck", help="compare every op's implementation with the reference")
     p.set_defaults(func=_selfcheck)

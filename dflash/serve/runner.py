@@ -1,0 +1,172 @@
+"""The engine thread: one background thread owns the `LLMEngine` and steps it; HTTP handlers
+(on the event loop) hand requests and aborts over through a thread-safe queue, and get each
+request's step outputs back on an asyncio queue (docs/design.md 4.5)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+import traceback
+
+from ..engine import LLMEngine, StepOutput
+from ..sampling import SamplingParams
+from .metrics import ServerMetrics
+
+
+class Handle:
+    """One request's hand-over: created on the event loop, filled by the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int],
+                 params: SamplingParams):
+        self.loop = loop
+        self.prompt_ids, self.params = prompt_ids, params
+        self.arrival = time.perf_counter()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.engine_id: int | None = None
+        self.finished = False          # set on the event loop when the last event is read
+        self.closed = False
+        self.streaming = False         # a StreamingResponse owns the handle (and closes it)
+        # the engine thread's running figures, for the counters' increments
+        self.seen = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "first": False}
+
+    def deliver(self, event) -> None:
+        """From the engine thread: a StepOutput, or an Exception that ends the request."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:   # the event loop is closed: nobody is waiting any more
+            pass
+
+
+class EngineThread:
+    def __init__(self, llm, metrics: ServerMetrics):
+        self.llm = llm
+        self.engine = LLMEngine(llm, isolate_errors=True)
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[int, Handle] = {}
+        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None   # what stopped the thread, if not stop()
+        # (steps when the abort was requested, steps when its blocks were freed)
+        self.aborts: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------- from the event loop
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, handle: Handle) -> None:
+        self._commands.put(("add", handle))
+
+    def abort(self, handle: Handle) -> None:
+        self._commands.put(("abort", handle, self.engine.num_steps))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever still runs and end the thread."""
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                command = self._commands.get() if not self.engine.has_unfinished() else None
+                commands = [] if command is None else [command]
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for c in commands:
+                    if c[0] == "stop":
+                        self._stop()
+                        return
+                    self._command(c)
+                self._publish_load()
+                if self.engine.has_unfinished():
+                    self._step()
+                    self._publish_load()
+        except BaseException as e:   # a bug in this loop: fail every request, stop serving
+            self.error = e
+            traceback.print_exc(file=sys.stderr)
+            for handle in self._handles.values():
+                handle.deliver(RuntimeError(f"the engine thread failed: {e}"))
+            self._handles.clear()
+            raise
+
+    def _command(self, c) -> None:
+        if c[0] == "add":
+            handle = c[1]
+            if handle.closed:
+                return
+            try:
+                handle.engine_id = self.engine.add_request(
+                    handle.prompt_ids, handle.params, detokenize=True, arrival_time=handle.arrival)
+            except Exception as e:
+                handle.deliver(e)
+                return
+            self._handles[handle.engine_id] = handle
+            self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+        elif c[0] == "abort":
+            handle, requested_at = c[1], c[2]
+            if handle.engine_id is not None and self.engine.abort(handle.engine_id):
+                self._handles.pop(handle.engine_id, None)
+                self.aborts.append((requested_at, self.engine.num_steps))
+                self.metrics.finished("abort")
+
+    def _stop(self) -> None:
+        self._stopping = True
+        for request_id, handle in list(self._handles.items()):
+            self.engine.abort(request_id)
+            handle.deliver(RuntimeError("the server is shutting down"))
+        self._handles.clear()
+        while self.engine.has_unfinished():   # report the aborts (nothing runs any more)
+            self.engine.step()
+        self._publish_load()
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.llm._elapsed += time.perf_counter() - start
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                continue
+            self._count(handle, out)
+            handle.deliver(out)
+            if out.finished:
+                del self._handles[out.request_id]
+
+    def _count(self, handle: Handle, out: StepOutput) -> None:
+        m, seen, metrics = out.metrics, handle.seen, self.metrics
+        metrics.generation_tokens.inc(len(out.new_token_ids))
+        if m is not None:
+            metrics.num_drafts.inc(m.num_drafts - seen["drafts"])
+            metrics.num_draft_tokens.inc(m.num_draft_tokens - seen["draft_tokens"])
+            metrics.num_accepted_tokens.inc(m.num_accepted_tokens - seen["accepted"])
+            per_pos = m.accepted_per_position
+            for i, n in enumerate(per_pos):
+                before = seen["per_pos"][i] if i < len(seen["per_pos"]) else 0
+                if n > before and i < len(metrics.accepted_per_pos):
+                    metrics.accepted_per_pos[i].inc(n - before)
+            seen.update(drafts=m.num_drafts, draft_tokens=m.num_draft_tokens,
+                        accepted=m.num_accepted_tokens, per_pos=list(per_pos))
+            if not seen["first"] and m.time_to_first_token is not None:
+                seen["first"] = True
+                metrics.ttft.observe(m.time_to_first_token)
+            if out.finished:
+                if m.time_per_output_token is not None:
+                    metrics.tpot.observe(m.time_per_output_token)
+                if m.finish_time is not None:
+                    metrics.e2e.observe(m.finish_time - m.arrival_time)
+        if out.finished:
+            metrics.finished(out.finish_reason or "unknown")
+
+    def _publish_load(self) -> None:
+        self.metrics.set_load(self.engine.num_running, self.engine.num_waiting,
+                              self.llm.allocator.num_free)
