@@ -318,3 +318,34 @@ class RandomVerifySchedule:
 
     def forget(self, request_id):
         pass
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}")
+
+
+def save_byte_tokenizer(directory, merges=(("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("Ã", "©"))):
+    """Save a byte-level BPE tokenizer (`tokenizers`, as GPT-2 / Qwen / SmolLM2 use) to
+    `directory`, with a Qwen3-like chat template (honouring `enable_thinking=False`) and
+    <|endoftext|> as EOS; returns the `transformers` tokenizer. Its vocabulary is the 256 bytes,
+    one token per merge, then the special tokens: size it with `len(tokenizer)`. Multi-byte
+    characters span several tokens, so streaming detokenization is exercised for real."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=list(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return fast

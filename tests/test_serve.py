@@ -1,0 +1,534 @@
+"""`dflash serve` against live servers on 127.0.0.1 (free ports), driven by the real `openai`
+client and httpx: outputs equal `LLM.generate`, streaming, usage, stop strings, load, faults,
+bad input, shutdown. Tiny random checkpoints (float32) with a byte-level BPE tokenizer, except
+the one slow test on the bundled pair."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from dflash import LLM, SamplingParams  # noqa: E402
+from dflash.serve import Server  # noqa: E402
+from dflash.testing import make_tiny_draft, make_tiny_target, save_byte_tokenizer  # noqa: E402
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+NAME = "tiny"
+B = 8
+MAGIC = [201, 202, 203, 204, 205]   # prompt ids the fault test makes the engine raise on
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tok = save_byte_tokenizer(root / "target")
+    make_tiny_target(root / "target", "qwen3", vocab_size=len(tok))
+    make_tiny_draft(root / "draft", root / "target", block_size=B)
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def offline(pair):
+    """Target-only greedy decoding in float32: DFlash greedy output equals it token for token."""
+    return LLM(pair[0], dtype="float32", max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    llm = LLM(*pair, dtype="float32", max_num_seqs=8)   # adaptive verify lengths
+    with Server(llm, NAME, port=0, api_key=KEY) as s:
+        yield s
+
+
+def _client(server, **kw):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+
+def _scrape(server) -> dict:
+    """{(name, ((label, value), ...)): value} of /metrics, model_name label dropped."""
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def _metric(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _wait_idle(server, timeout=10.0):
+    llm = server.state.llm
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if llm.allocator.num_free == llm.allocator.num_blocks and \
+                not server.state.engine.engine.has_unfinished():
+            return
+        time.sleep(0.02)
+    raise AssertionError("the engine did not go idle")
+
+
+def _pick_stop(text: str) -> str:
+    """Two characters of `text` (no replacement character) that first occur after its start."""
+    for i in range(3, len(text) - 2):
+        s = text[i:i + 2]
+        if "\ufffd" not in s and text.index(s) >= 2:
+            return s
+    raise AssertionError(f"no stop string to pick in {text!r}")
+
+
+# ---------------------------------------------------------------------------- correctness
+
+PROMPTS = ["the quick brown fox", "café 世界 🙂", "hello there, how are", "a"]
+
+
+def test_completions_equal_generate_streamed_and_not(server, offline):
+    client = _client(server)
+    for prompt in PROMPTS:
+        want = offline.generate(prompt, SamplingParams(max_tokens=24))[0]
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == want.text
+        assert r.choices[0].finish_reason == want.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+            (len(want.prompt_token_ids), len(want.token_ids),
+             len(want.prompt_token_ids) + len(want.token_ids))
+        spec = r.model_extra["speculative_decoding"]
+        assert spec["num_draft_tokens"] >= spec["num_accepted_tokens"] >= 0
+        chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=24,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and
+                c.choices[0].finish_reason] == [want.finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+            len(want.token_ids)
+    # token-id prompts too
+    ids = offline.encode(PROMPTS[0])
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0)
+    assert r.choices[0].text == offline.generate(ids, SamplingParams(max_tokens=5))[0].text
+
+
+def test_chat_equals_generate_with_template_kwargs(server, offline):
+    client = _client(server)
+    tok = offline.tokenizer
+    for message, kwargs in [("What is 2 + 2?", None), ("Name a colour.", {"enable_thinking":
+                                                                          False})]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True, **(kwargs or {}))
+        want = offline.generate(prompt, SamplingParams(max_tokens=20))[0]
+        extra = {"chat_template_kwargs": kwargs} if kwargs else None
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user",
+                                                                  "content": message}],
+                                           max_tokens=20, temperature=0, extra_body=extra)
+        assert r.choices[0].message.content == want.text
+        assert r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert r.usage.completion_tokens == len(want.token_ids)
+        stream = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": message}], max_tokens=20,
+            temperature=0, stream=True, extra_body=extra)
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_sse_wire_format_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={"model": NAME, "prompt": "hi", "max_tokens": 6, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and '"usage"' in lines[-2]
+
+
+def test_stop_strings(server, offline):
+    client = _client(server)
+    prompt = PROMPTS[0]
+    full = offline.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True))[0].text
+    stop = _pick_stop(full)
+    want = full[:full.index(stop)]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                  stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=40,
+                                            temperature=0, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_models_health_version_metrics(server):
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+    samples = _scrape(server)
+    for name in ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:generation_tokens_total",
+                 "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:time_per_output_token_seconds_count", "vllm:kv_cache_usage_perc"]:
+        assert any(key[0] == name for key in samples), name
+    assert any(key[0] == "vllm:spec_decode_num_accepted_tokens_per_pos_total" and
+               key[1] == (("position", "0"),) for key in samples)
+
+
+# ----------------------------------------------------------------------------------- load
+
+def _load_cases(offline):
+    cases = []
+    for i in range(64):
+        text = f"request {i}: " + "the cat sat " * (i % 9)
+        kw = {"max_tokens": 4 + (i * 7) % 45}
+        if i % 3 == 0:
+            kw.update(temperature=0.8, top_p=0.9, top_k=20, seed=i)
+        elif i % 3 == 1:
+            kw.update(temperature=0.0, top_p=0.5)   # greedy whatever top_p says
+        else:
+            kw.update(temperature=0.0)
+        chat = i % 4 == 1
+        prompt = offline.chat_prompt(text) if chat else text
+        cases.append((i, chat, text, prompt, kw))
+    return cases
+
+
+def test_load_64_requests_from_16_streaming_clients(server, offline):
+    cases = _load_cases(offline)
+    greedy = [c for c in cases if c[4]["temperature"] == 0]
+    expected = offline.generate([c[3] for c in greedy],
+                                [SamplingParams(max_tokens=c[4]["max_tokens"]) for c in greedy])
+    expected = {c[0]: e for c, e in zip(greedy, expected)}
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                                    timeout=120)
+        todo = list(cases)
+        results = {}
+
+        async def one_client():
+            while todo:
+                i, chat, text, _, kw = todo.pop(0)
+                common = dict(model=NAME, stream=True, stream_options={"include_usage": True},
+                              **{k: v for k, v in kw.items() if k != "top_k"},
+                              extra_body={"top_k": kw["top_k"]} if "top_k" in kw else None)
+                if chat:
+                    stream = await client.chat.completions.create(
+                        messages=[{"role": "user", "content": text}], **common)
+                else:
+                    stream = await client.completions.create(prompt=text, **common)
+                out, usage = "", None
+                async for chunk in stream:
+                    if chunk.choices:
+                        out += (chunk.choices[0].delta.content or "") if chat else \
+                            chunk.choices[0].text
+                    if chunk.usage:
+                        usage = chunk.usage
+                results[i] = (out, usage)
+
+        await asyncio.gather(*[one_client() for _ in range(16)])
+        await client.close()
+        return results
+
+    start = time.time()
+    results = asyncio.run(main())
+    elapsed = time.time() - start
+    assert sorted(results) == list(range(64))
+    for i, *_, kw in cases:
+        out, usage = results[i]
+        assert 1 <= usage.completion_tokens <= kw["max_tokens"]
+        if i in expected:
+            assert out == expected[i].text, i
+            assert usage.completion_tokens == len(expected[i].token_ids)
+            assert usage.prompt_tokens == len(expected[i].prompt_token_ids)
+    _wait_idle(server)
+    samples = _scrape(server)
+    assert _metric(samples, "vllm:num_requests_running") == 0
+    assert _metric(samples, "vllm:num_requests_waiting") == 0
+    assert _metric(samples, "vllm:kv_cache_usage_perc") == 0
+    assert _metric(samples, "dflash:kv_cache_free_blocks") == \
+        _metric(samples, "dflash:kv_cache_total_blocks")
+    assert server.state.in_flight == 0
+    print(f"64 requests from 16 streaming clients in {elapsed:.1f} s")
+
+
+# --------------------------------------------------------------------------------- faults
+
+def test_clients_that_disconnect_mid_stream_are_aborted(server, offline):
+    engine = server.state.engine
+    aborted_before = len(engine.aborts)
+    stay = [f"stay {i}" for i in range(4)]
+    expected = [o.text for o in offline.generate(stay, SamplingParams(max_tokens=30))]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+            async def quitter(i):
+                body = {"model": NAME, "prompt": f"quit {i}", "max_tokens": 400,
+                        "temperature": 0, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data: ")
+                        if seen >= 3:
+                            return seen   # leaving the block closes the connection
+
+            async def stayer(prompt):
+                r = await client.post("/v1/completions", json={
+                    "model": NAME, "prompt": prompt, "max_tokens": 30, "temperature": 0})
+                return r.json()["choices"][0]["text"]
+
+            return await asyncio.gather(*[quitter(i) for i in range(8)],
+                                        *[stayer(p) for p in stay])
+
+    results = asyncio.run(main())
+    assert results[8:] == expected
+    deadline = time.time() + 10
+    while len(engine.aborts) < aborted_before + 8 and time.time() < deadline:
+        time.sleep(0.02)
+    aborts = engine.aborts[aborted_before:]
+    assert len(aborts) == 8
+    assert all(freed - requested <= 1 for requested, freed in aborts)   # within one step
+    _wait_idle(server)
+    assert _metric(_scrape(server), "vllm:request_success_total", finished_reason="abort") >= 8
+    assert server.state.in_flight == 0
+
+
+def test_an_engine_error_fails_that_request_with_500_and_serving_goes_on(server, offline):
+    llm = server.state.llm
+    original = llm.worker.step
+
+    def step(requests, *args, **kw):
+        if any(r.prompt_ids[:len(MAGIC)] == MAGIC for r in requests):
+            raise RuntimeError("injected fault")
+        return original(requests, *args, **kw)
+
+    client = _client(server)
+    want = offline.generate("still fine", SamplingParams(max_tokens=30))[0].text
+    results = {}
+
+    def good():
+        results["good"] = "".join(c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt="still fine", max_tokens=30, temperature=0, stream=True))
+
+    llm.worker.step = step
+    try:
+        thread = threading.Thread(target=good)
+        thread.start()
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as e:
+                r = client.completions.create(model=NAME, prompt=MAGIC + [7, 8], max_tokens=30,
+                                              stream=stream)
+                list(r) if stream else r
+            assert e.value.status_code == 500 and "injected fault" in str(e.value)
+        thread.join(60)
+    finally:
+        del llm.worker.step
+    assert results["good"] == want
+    r = client.completions.create(model=NAME, prompt="still fine", max_tokens=30, temperature=0)
+    assert r.choices[0].text == want
+    _wait_idle(server)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+def _bad_cases():
+    hi = {"model": NAME, "prompt": "hi"}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    long = "x " * 600
+    c, cc = "/v1/completions", "/v1/chat/completions"
+    return [
+        (c, b'{"prompt": "hi", ', 400, "JSON"),
+        (c, {**hi, "max_tokens": "many"}, 400, "max_tokens"),
+        (c, {**hi, "temperature": "hot"}, 400, "temperature"),
+        (c, {**hi, "stop": 5}, 400, "stop"),
+        (c, {"model": NAME, "max_tokens": 4}, 400, "prompt"),
+        (c, {**hi, "model": "gpt-9"}, 404, "gpt-9"),
+        (cc, {**chat, "model": "gpt-9"}, 404, "gpt-9"),
+        (c, {**hi, "prompt": long}, 400, "max_model_len"),
+        (cc, {**chat, "messages": [{"role": "user", "content": long}]}, 400, "max_model_len"),
+        (c, {**hi, "max_tokens": 0}, 400, "max_tokens"),
+        (cc, {**chat, "max_tokens": -3}, 400, "max_tokens"),
+        (c, {**hi, "temperature": -1}, 400, "temperature"),
+        (c, {**hi, "top_p": 0}, 400, "top_p"),
+        (cc, {**chat, "top_p": 1.5}, 400, "top_p"),
+        (c, {**hi, "prompt": ""}, 400, "empty"),
+        (c, {**hi, "prompt": []}, 400, "empty"),
+        (cc, {**chat, "messages": []}, 400, "messages"),
+        (c, {**hi, "prompt": [1, 99999]}, 400, "token ids"),
+        (c, {**hi, "n": 2}, 400, "n=2"),
+        (c, {**hi, "logprobs": 1}, 400, "logprobs"),
+        (c, {**hi, "top_k": -5}, 400, "top_k"),
+    ]
+
+
+def test_bad_requests_get_4xx_naming_the_problem_and_disturb_nothing(server, offline):
+    want = offline.generate("a long one", SamplingParams(max_tokens=120, ignore_eos=True))[0]
+    running = {}
+
+    def long_request():
+        with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+            r = http.post("/v1/completions", json={
+                "model": NAME, "prompt": "a long one", "max_tokens": 120, "temperature": 0,
+                "ignore_eos": True})
+            running["text"] = r.json()["choices"][0]["text"]
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
+        for path, body, status, word in _bad_cases():
+            r = http.post(path, content=body, headers={"Content-Type": "application/json"}) \
+                if isinstance(body, bytes) else http.post(path, json=body)
+            assert r.status_code == status, (body, r.text)
+            error = r.json()["error"]
+            assert word.lower() in error["message"].lower(), (body, error)
+            assert set(error) == {"message", "type", "param", "code"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(server.url + "/v1/completions", headers=headers,
+                           json={"model": NAME, "prompt": "hi"})
+            assert r.status_code == 401 and "api key" in r.json()["error"]["message"].lower()
+        r = http.get("/v1/nope")
+        assert r.status_code == 404 and "/v1/nope" in r.json()["error"]["message"]
+        # the openai client surfaces the error object
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            _client(server).completions.create(model=NAME, prompt="hi", top_p=7)
+        r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    thread.join(120)
+    assert running["text"] == want.text
+    _wait_idle(server)
+
+
+def test_a_full_queue_is_503_with_retry_after(pair):
+    llm = LLM(*pair, dtype="float32", max_num_seqs=1, speculation="fixed")
+    with Server(llm, NAME, port=0, max_queue=1) as s:
+        texts = []
+
+        def long_request(i):
+            r = httpx.post(s.url + "/v1/completions", timeout=120, json={
+                "prompt": f"busy {i}", "max_tokens": 150, "temperature": 0, "ignore_eos": True})
+            texts.append(r.status_code)
+
+        threads = [threading.Thread(target=long_request, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while s.state.in_flight < 2 and time.time() < deadline:
+            time.sleep(0.005)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "busy" in r.json()["error"]["message"]
+        for t in threads:
+            t.join(120)
+        assert texts == [200, 200]
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+# ------------------------------------------------------------------------------- shutdown
+
+def test_sigterm_lets_running_requests_finish_and_exits_0(pair, tmp_path):
+    grace = 4.0
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, DFLASH_CACHE=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.cli", "serve", "--target", str(pair[0]), "--draft",
+         str(pair[1]), "--dtype", "float32", "--speculation", "fixed", "--port", "0",
+         "--grace-period", str(grace), "--max-num-seqs", "4"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path)
+    try:
+        url, log = None, []
+        deadline = time.time() + 120
+        while url is None and time.time() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            log.append(line)
+            if line.startswith("dflash serve:") and " on http://" in line:
+                url = line.split(" on ")[1].split()[0]
+        assert url is not None, "".join(log)
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        streams = {}
+        started = threading.Semaphore(0)
+
+        def stream(i, max_tokens):
+            lines = []
+            try:
+                with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                        "prompt": f"in flight {i}", "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line and not lines:
+                            started.release()
+                        lines.append(line)
+            except httpx.HTTPError as e:
+                lines.append(f"error: {e}")
+            streams[i] = lines
+
+        threads = [threading.Thread(target=stream, args=(i, 60)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=60)
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=grace + 15)
+        took = time.time() - start
+        for t in threads:
+            t.join(10)
+        assert code == 0, "".join(log)
+        assert took < grace + 5
+        for i in range(3):   # they finished within the grace period
+            assert streams[i][-1] == "data: [DONE]", streams[i][-3:]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------- the real bundled pair
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_bundled_pair_chat_through_openai_with_acceptance_in_metrics():
+    from dflash import assets, demo
+
+    try:
+        target = assets.smollm2_target()
+    except RuntimeError as e:
+        pytest.skip(f"offline: {e}")
+    llm = LLM(target, assets.bundled_draft(), dtype="float32", max_num_seqs=2,
+              speculation="fixed")
+    with Server(llm, "SmolLM2-135M-Instruct", port=0) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        for question in demo.QUESTIONS[:2]:
+            r = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+                max_tokens=64, temperature=0)
+            assert r.choices[0].message.content.strip()
+            assert r.model_extra["speculative_decoding"]["mean_acceptance_length"] > 1.0
+        samples = _scrape(s)
+    drafts = _metric(samples, "vllm:spec_decode_num_drafts_total")
+    accepted = _metric(samples, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 1 + accepted / drafts > 1.5
