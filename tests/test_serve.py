@@ -4,6 +4,7 @@ bad input, shutdown. Tiny random checkpoints (float32) with a byte-level BPE tok
 the one slow test on the bundled pair."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -158,7 +159,10 @@ def test_sse_wire_format_ends_with_done(server):
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
-    assert lines[-1] == "data: [DONE]" and '"usage"' in lines[-2]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][len("data: "):])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 1
+    assert all(json.loads(line[6:])["usage"] is None for line in lines[:-2])
 
 
 def test_stop_strings(server, offline):

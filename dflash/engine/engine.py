@@ -153,8 +153,9 @@ class LLMEngine:
         ok, ks, results = self._call(
             lambda rs, ks: list(zip(*llm.worker.step(rs, llm.proposer, ks))), running,
             num_drafts)
-        llm._record(ok, ks, [accepted for _, accepted in results],
-                    time.perf_counter() - step_start)
+        if ok:
+            llm._record(ok, ks, [accepted for _, accepted in results],
+                        time.perf_counter() - step_start)
         for r, (tokens, _) in zip(ok, results):
             self._commit(r, tokens)
         self._retire()
