@@ -197,6 +197,49 @@ def test_models_health_version_metrics(server):
                key[1] == (("position", "0"),) for key in samples)
 
 
+def test_speculative_figures_in_the_response_and_metrics(server, offline):
+    """A draft that proposes the target's own continuation: the accepted tokens show in the
+    response's speculative_decoding field and, by position, in /metrics."""
+    import torch
+
+    llm = server.state.llm
+    prompt = "drafts that are right"
+    ids = offline.encode(prompt)
+    ref = offline.generate(prompt, SamplingParams(max_tokens=40 + B, ignore_eos=True))[0]
+
+    def proposer(inputs):
+        rows = []
+        for r in inputs.requests:
+            n = len(r.output_ids)
+            known = ref.token_ids + [0] * B if r.prompt_ids == ids else [0] * (n + B)
+            rows.append(known[n:n + inputs.block_size - 1])
+        return torch.tensor(rows), None
+
+    _wait_idle(server)
+    before = _scrape(server)
+    planner, llm.planner, llm.proposer = llm.planner, None, proposer   # full blocks
+    try:
+        r = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=40,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        llm.planner, llm.proposer = planner, None
+    assert r.choices[0].text == offline.tokenizer.decode(ref.token_ids[:40])
+    spec = r.model_extra["speculative_decoding"]
+    assert spec["num_accepted_tokens"] > 20 and spec["mean_acceptance_length"] > 3
+    after = _scrape(server)
+
+    def delta(name, **labels):
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    assert delta("vllm:spec_decode_num_drafts_total") == spec["num_drafts"]
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
+    assert [delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(B - 1)] == spec["accepted_per_position"]
+    assert delta("vllm:generation_tokens_total") == 40
+    assert delta("vllm:prompt_tokens_total") == len(ids)
+
+
 # ----------------------------------------------------------------------------------- load
 
 def _load_cases(offline):
@@ -481,9 +524,10 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(pair, tmp_path):
                         "prompt": f"in flight {i}", "max_tokens": max_tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True}) as r:
                     for line in r.iter_lines():
-                        if line and not lines:
-                            started.release()
-                        lines.append(line)
+                        if line:
+                            if not lines:
+                                started.release()
+                            lines.append(line)
             except httpx.HTTPError as e:
                 lines.append(f"error: {e}")
             streams[i] = lines
