@@ -139,7 +139,8 @@ def _check_length(state: ServerState, ids: list[int], param: str) -> None:
     if not ids:
         raise ApiError(400, f"{param} must not be empty", param)
     if len(ids) + llm.block_size > llm.max_model_len:
-        raise ApiError(400, f"the {param} has {len(ids)} tokens; with one block of "
+        what = "prompt" if param == "prompt" else "prompt built from the messages"
+        raise ApiError(400, f"the {what} has {len(ids)} tokens; with one block of "
                             f"{llm.block_size} it exceeds this model's max_model_len "
                             f"({llm.max_model_len} tokens)", param, "context_length_exceeded")
 
