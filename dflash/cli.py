@@ -73,6 +73,15 @@ def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> Non
                             "sequence as pays on this host (0 = none); fixed: full blocks")
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--target, --draft and --no-draft (the bundled pair by default)."""
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="target checkpoint (HF directory or GGUF); default: bundled SmolLM2-135M")
+    p.add_argument("--draft", default=None,
+                   help="DFlash draft directory; default: the bundled draft for the default target")
+    p.add_argument("--no-draft", action="store_true", help="target-only decoding (baseline)")
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks for the target (spawned from this process; "
@@ -216,11 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with DFlash speculative decoding")
     p.add_argument("prompt", nargs="*", help="prompt text(s)")
-    p.add_argument("--target", default=DEFAULT_TARGET,
-                   help="target checkpoint (HF directory or GGUF); default: bundled SmolLM2-135M")
-    p.add_argument("--draft", default=None,
-                   help="DFlash draft directory; default: the bundled draft for the default target")
-    p.add_argument("--no-draft", action="store_true", help="target-only decoding (baseline)")
+    add_model_args(p)
     p.add_argument("--prompts-file", help="one prompt per line")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -303,11 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
                                       "/v1/chat/completions, /metrics)")
-    p.add_argument("--target", default=DEFAULT_TARGET,
-                   help="target checkpoint (HF directory or GGUF); default: bundled SmolLM2-135M")
-    p.add_argument("--draft", default=None,
-                   help="DFlash draft directory; default: the bundled draft for the default target")
-    p.add_argument("--no-draft", action="store_true", help="target-only decoding (baseline)")
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")

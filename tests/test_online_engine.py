@@ -149,11 +149,9 @@ def _byte_tokenizer(tmp_path):
     return save_byte_tokenizer(tmp_path)
 
 
-@pytest.mark.parametrize("text", ["plain ascii", "café 世界 🙂 naïve", "日本語のテキスト🙂🙂"])
-def test_incremental_detokenization_never_splits_characters(tmp_path, text):
-    tok = _byte_tokenizer(tmp_path)
-    ids = tok.encode(text, add_special_tokens=False)
-    assert len(ids) > len(text) or text.isascii()   # multi-byte characters span tokens
+def _stream(tok, ids):
+    """Feed `ids` one token at a time; the detokenizer and every delta it gave (the last after
+    finish())."""
     detok = IncrementalDetokenizer(tok)
     deltas = []
     for i in ids:
@@ -161,6 +159,15 @@ def test_incremental_detokenization_never_splits_characters(tmp_path, text):
         deltas.append(detok.take_delta())
     detok.finish()
     deltas.append(detok.take_delta())
+    return detok, deltas
+
+
+@pytest.mark.parametrize("text", ["plain ascii", "café 世界 🙂 naïve", "日本語のテキスト🙂🙂"])
+def test_incremental_detokenization_never_splits_characters(tmp_path, text):
+    tok = _byte_tokenizer(tmp_path)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) or text.isascii()   # multi-byte characters span tokens
+    detok, deltas = _stream(tok, ids)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text == detok.text == tok.decode(ids)
 
@@ -178,13 +185,7 @@ def test_byte_fallback_tokens_decode_incrementally():
                                     decoders.Fuse()])
     tok = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
     ids = [257, 258, 259] + [1 + b for b in "世🙂".encode()] + [257]
-    detok = IncrementalDetokenizer(tok)
-    deltas = []
-    for i in ids:
-        detok.add(i)
-        deltas.append(detok.take_delta())
-    detok.finish()
-    deltas.append(detok.take_delta())
+    detok, deltas = _stream(tok, ids)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids) == " ab 世🙂 a"
 
