@@ -213,7 +213,7 @@ def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, mo
 
 
 def test_cost_model_interpolates_and_extrapolates():
-    m = CostModel({1: 1.0, 4: 1.3, 16: 2.5}, {1: 0.2, 4: 0.5})
+    m = CostModel({1: 1.0, 4: 1.3, 16: 2.5}, {1: 0.2, 4: 0.5}, 16)
     assert m.target(2) == pytest.approx(1.1)
     assert m.target(32) == pytest.approx(2.5 + 16 * 0.1)
     assert m.draft(0) == 0 and m.draft(8) == pytest.approx(0.9)
@@ -226,11 +226,16 @@ def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured
     monkeypatch.setattr(cost_model, "CACHE_DIR", tmp_path)
     fast_rows = {torch.float32: 0.01, torch.bfloat16: 0.001}   # fp32: every row costs a lot
     monkeypatch.setattr(cost_model, "calibrate", lambda worker, *a: CostModel(
-        {1: 1e-3, 64: 1e-3 + 63 * fast_rows[worker.target.embed.dtype]}, {1: 1e-4, 8: 8e-4}))
+        {1: 1e-3, 64: 1e-3 + 63 * fast_rows[worker.target.embed.dtype]}, {1: 1e-4, 8: 8e-4}, B))
     monkeypatch.setattr(llm_module, "_announced", set())
     llm = LLM(target, draft, max_num_seqs=8)
     assert llm.dtype == torch.bfloat16 and llm.metrics()["dtype"] == "bfloat16"
     assert "dtype auto -> bfloat16" in capsys.readouterr().err
+    builds = []
+    real_build = LLM._build
+    monkeypatch.setattr(LLM, "_build", lambda self, d: builds.append(d) or real_build(self, d))
+    assert LLM(target, draft, max_num_seqs=8).dtype == torch.bfloat16
+    assert builds == [torch.bfloat16]   # both measurements cached: one model loaded
     fast_rows[torch.float32], fast_rows[torch.bfloat16] = 0.001, 0.01
     assert LLM(target, draft, max_num_seqs=8, recalibrate=True).dtype == torch.float32
     assert LLM(target, draft, dtype="bfloat16", max_num_seqs=8).dtype == torch.bfloat16

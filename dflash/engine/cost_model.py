@@ -34,10 +34,11 @@ CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 @dataclass
 class CostModel:
     """Seconds per step component: target_s {rows: s} for one verify pass, draft_s {drafting
-    sequences: s} for one draft step (empty without a draft)."""
+    sequences: s} for one draft step (empty without a draft), for an engine of `block_size`."""
 
     target_s: dict[int, float]
     draft_s: dict[int, float]
+    block_size: int = 1
 
     def target(self, rows: int) -> float:
         return _interpolate(self.target_s, rows)
@@ -48,12 +49,13 @@ class CostModel:
 
     def to_json(self) -> dict:
         return {"target_ms": {str(k): round(v * 1e3, 4) for k, v in self.target_s.items()},
-                "draft_ms": {str(k): round(v * 1e3, 4) for k, v in self.draft_s.items()}}
+                "draft_ms": {str(k): round(v * 1e3, 4) for k, v in self.draft_s.items()},
+                "block_size": self.block_size}
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         parse = lambda d: {int(k): float(v) / 1e3 for k, v in d.items()}  # noqa: E731
-        model = cls(parse(data["target_ms"]), parse(data["draft_ms"]))
+        model = cls(parse(data["target_ms"]), parse(data["draft_ms"]), int(data["block_size"]))
         if not model.target_s or any(v <= 0 for v in (*model.target_s.values(),
                                                       *model.draft_s.values())):
             raise ValueError("a cost model needs positive timings")
@@ -109,7 +111,7 @@ def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_l
     finally:
         for table in tables:
             allocator.free(table)
-    return CostModel(target_s, draft_s)
+    return CostModel(target_s, draft_s, block_size)
 
 
 # ------------------------------------------------------------------------------------ cache

@@ -110,12 +110,17 @@ class LLM:
                 self._group.close(kill=True)
             raise
 
+    def _cost_key(self, dtype_name: str) -> dict:
+        """The calibration cache key of this engine's configuration in `dtype_name` (from the
+        arguments alone, so a cached choice needs no model loaded)."""
+        c = self._config
+        shape = {k: c[k] for k in ("tp_size", "max_num_seqs", "block_size", "kv_block_size",
+                                   "max_model_len", "num_kv_blocks", "draft_sampling")}
+        return cost_model.cache_key(c["target"], c["draft"], dtype_name,
+                                    device=str(c["device"]), **shape)
+
     def _calibrate(self, recalibrate: bool) -> CostModel:
-        key = cost_model.cache_key(
-            self._config["target"], self.draft_path, _dtype_name(self.dtype),
-            device=str(self._config["device"]), tp_size=self._config["tp_size"],
-            max_num_seqs=self.max_num_seqs, block_size=self.block_size,
-            kv_block_size=self.allocator.block_size, draft_sampling=self.worker.draft_sampling)
+        key = self._cost_key(_dtype_name(self.dtype))
         model = None if recalibrate else cost_model.load(key)
         if model is None:
             model = cost_model.calibrate(self.worker, self.allocator, self.max_num_seqs,
@@ -130,16 +135,22 @@ class LLM:
             self._build(torch.bfloat16)
             self.cost_model = self._calibrate(recalibrate)
             return
-        rates, models = {}, {}
+        # the cached measurements decide without loading anything; missing ones are measured
+        models = {name: None if recalibrate else cost_model.load(self._cost_key(name))
+                  for name in AUTO_DTYPES}
+        built = None
         for name in AUTO_DTYPES:
-            if rates:   # the previous candidate's engine goes before the next one loads
-                self.close()
-            self._build(DTYPES[name])
-            models[name] = self._calibrate(recalibrate)
-            rates[name] = expected_rate(models[name], self.block_size, self.max_num_seqs)
+            if models[name] is None:
+                if built is not None:   # the previous candidate goes before the next one loads
+                    self.close()
+                self._build(DTYPES[name])
+                built, models[name] = name, self._calibrate(recalibrate)
+        rates = {name: expected_rate(m, m.block_size, self._config["max_num_seqs"])
+                 for name, m in models.items()}
         best = max(rates, key=lambda name: rates[name][0] * rates[name][1])
-        if best != AUTO_DTYPES[-1]:
-            self.close()
+        if best != built:
+            if built is not None:
+                self.close()
             self._build(DTYPES[best])
         self.cost_model = models[best]
         _announce(f"dtype auto -> {best} on {host.summary()}: expected tok/s at concurrency "
