@@ -164,7 +164,7 @@ class LLM:
         tp = None if self._group is None else self._group.tp
         if tp is not None:
             device = self._group.device
-        self.dtype, self.draft_path = torch_dtype, draft
+        self.dtype = torch_dtype
         self.target = load_target(target, torch_dtype, device, tp)
         self.draft = None if draft is None else load_draft(draft, self.target.cfg, torch_dtype,
                                                            device)
