@@ -6,12 +6,14 @@ import json
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from dflash import LLM, SamplingParams
 from dflash.engine import cost_model
 from dflash.engine import llm as llm_module
+from dflash.engine.cache import BlockAllocator
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Acceptance, Planner, choose_num_drafts, step_rate
 from dflash.testing import RandomVerifySchedule, make_tiny_draft, make_tiny_target
@@ -44,8 +46,13 @@ def brute_force(cumulative, target_cost, draft_cost):
 
 
 class CostModelFns:
+    """A cost model made of the chooser's two functions (decode is the target's row cost)."""
+
     def __init__(self, target, draft):
         self.target, self.draft = target, draft
+
+    def step(self, sequences, rows, drafting):
+        return self.target(rows) + self.draft(drafting)
 
 
 def test_flat_cost_verifies_the_whole_block():
@@ -66,7 +73,7 @@ def test_chooser_matches_brute_force(seed):
     cumulative = [Acceptance([rng.random() for _ in range(k)]).cumulative() for _ in range(n)]
     target_cost = linear(rng.uniform(0.5, 2), rng.uniform(0, 0.5))
     draft = rng.uniform(0, 1)
-    draft_cost = lambda d: draft if d else 0.0   # noqa: E731  (whether any sequence drafts)
+    draft_cost = lambda d: np.where(d > 0, draft, 0.0)   # noqa: E731  (whether any drafts)
     rate, _ = brute_force(cumulative, target_cost, draft_cost)
     ks = choose_num_drafts(cumulative, target_cost, draft_cost)
     assert step_rate(ks, cumulative, CostModelFns(target_cost, draft_cost)) == \
@@ -114,12 +121,37 @@ def test_planner_learns_that_speculative_steps_cost_more_than_calibrated():
     for r in requests:
         planner._estimate(r.request_id).rates = [0.5] * 7
     assert planner.plan(requests) == [7] * 4
-    for _ in range(200):   # every speculative step takes 3x its prediction, others 1x
-        planner.observe_time([7] * 4, 3.0 * (model.target(32) + model.draft(4)))
-        planner.observe_time([0] * 4, model.target(4))
-    assert planner.time_factor[True] == pytest.approx(3.0, rel=1e-3)
-    assert planner.time_factor[False] == pytest.approx(1.0)
-    assert planner.plan(requests) == [0] * 4   # 4 tokens in 1 s beat ~7.9 in 3 s
+    for _ in range(200):   # decoding costs what was calibrated, speculating 3 s more
+        planner.observe_time([7] * 4, model.step(4, 32, 4) + 3.0)
+        planner.observe_time([0] * 4, model.step(4, 4, 0))
+    # the draft (the only speculation cost calibrated) takes 3 s more than its 0.04 s
+    assert planner.time.a == pytest.approx(1.0, rel=0.05)
+    assert planner.time.b * model.draft(4) == pytest.approx(3.04, rel=0.05)
+    assert planner.plan(requests) == [0] * 4   # 4 tokens in 1 s beat ~7.9 in 4 s
+
+
+def test_time_correction_separates_a_slow_decode_from_the_price_of_speculating():
+    """Every step runs 2x the calibration (longer contexts than calibrated): both factors
+    become 2, and the decision is the calibration's. One factor per kind of step would instead
+    price speculation by the ratio of a speculating step's time to its whole prediction."""
+    model = CostModel({1: 1.0, 4: 1.0, 8: 1.2, 32: 2.0}, {1: 0.1, 4: 0.3}, 8,
+                      {1: 1.0, 4: 1.0})
+    planner = Planner(7, model)
+    random_steps = random.Random(0)
+    for _ in range(300):
+        ks = [random_steps.choice([0, 0, 1, 7]) for _ in range(4)]
+        planner.observe_time(ks, 2.0 * model.step(4, 4 + sum(ks), sum(k > 0 for k in ks)))
+    assert planner.time.a == pytest.approx(2.0, rel=0.02)
+    assert planner.time.b == pytest.approx(2.0, rel=0.02)
+
+
+def test_time_correction_keeps_the_calibration_for_what_it_has_not_seen():
+    model = CostModel({1: 1.0, 32: 2.0}, {1: 0.1, 4: 0.3}, 8, {1: 1.0, 4: 1.5})
+    planner = Planner(7, model)
+    for _ in range(300):   # only steps without speculation, each 1.5x the calibration
+        planner.observe_time([0] * 4, 1.5 * model.decode(4))
+    assert planner.time.a == pytest.approx(1.5, rel=0.02)
+    assert planner.time.b == pytest.approx(1.0)
 
 
 def test_unverified_positions_do_not_keep_an_optimistic_prior():
@@ -202,6 +234,7 @@ def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, mo
     files = list(tmp_path.glob("*.json"))
     assert len(calls) == 1 and len(files) == 1
     assert sorted(first.target_s) == [1, 2, 4, 8, 16] and sorted(first.draft_s) == [1, 2]
+    assert sorted(first.decode_s) == [1, 2]
     assert LLM(target, draft, dtype="float32", max_num_seqs=2).cost_model == first
     assert len(calls) == 1                                    # reused
     LLM(target, draft, dtype="float32", max_num_seqs=2, recalibrate=True)
@@ -213,11 +246,32 @@ def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, mo
 
 
 def test_cost_model_interpolates_and_extrapolates():
-    m = CostModel({1: 1.0, 4: 1.3, 16: 2.5}, {1: 0.2, 4: 0.5}, 16)
+    m = CostModel({1: 1.0, 4: 1.3, 16: 2.5}, {1: 0.2, 4: 0.5}, 16, {1: 1.0, 4: 1.6})
     assert m.target(2) == pytest.approx(1.1)
     assert m.target(32) == pytest.approx(2.5 + 16 * 0.1)
     assert m.draft(0) == 0 and m.draft(8) == pytest.approx(0.9)
+    assert list(m.target(np.array([2, 32]))) == pytest.approx([1.1, 4.1])
+    # 4 sequences, 16 rows, 2 drafting: decoding the 4, the 12 more rows at the packed slope
+    assert m.step(4, 16, 2) == pytest.approx(1.6 + (2.5 - 1.3) + 0.3)
+    assert m.step(4, 4, 0) == pytest.approx(1.6)
     assert CostModel.from_json(m.to_json()) == m
+    assert CostModel({1: 1.0, 8: 1.5}, {}).decode(8) == 1.5   # one row a sequence: the same
+
+
+def test_calibration_times_a_preempted_point_again(monkeypatch):
+    calls = []
+
+    class Worker:
+        def measure_costs(self, tables, context, rows, seqs, repeats):
+            calls.append((rows, seqs))
+            slow = 10.0 if len(calls) == 1 else 1.0   # the first pass of 4 rows was preempted
+            return ({r: (slow if r == 4 else 1.0) * (1 + r / 8) for r in rows},
+                    {n: 0.1 * n for n in seqs}, {n: 1.0 + n / 8 for n in seqs})
+
+    allocator = BlockAllocator(64, 16)
+    model = cost_model.calibrate(Worker(), allocator, 2, 8, 512)
+    assert calls == [([1, 2, 4, 8, 16], [1, 2]), ([4], [])]
+    assert model.target_s[4] == pytest.approx(1.5) and allocator.num_free == 64
 
 
 def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured(

@@ -1,11 +1,17 @@
 """What a decode step costs on this host, measured at engine start and cached.
 
-A step's time is modelled as target(rows) + draft(drafting sequences): `target` is one verify pass
-over `rows` query tokens in total (every sequence's pending token plus its verified drafts), `draft`
-the block forward of the sequences that draft this step (0 when none does). Both are timed on a
-small grid with the engine's own worker and caches (`Worker.measure_costs`) and interpolated
-linearly between grid points (extrapolated from the last two beyond the grid: GEMMs are linear in
-rows once they are compute bound).
+A step over n sequences that verifies `rows` query tokens in all (every sequence's pending token
+plus its verified drafts) and drafts for d of them is modelled as
+
+    decode(n) + [target(rows) - target(n)] + draft(d)
+
+`decode` is one pass with one row per sequence (the step with speculation off), `target` one
+verify pass with the rows packed B to a sequence (what verifying drafts adds is priced by its
+slope), `draft` the block forward of the drafting sequences (0 when none drafts). The three are
+timed on small grids with the engine's own worker and caches (`Worker.measure_costs`), points
+that look preempted (slower than a larger point) are timed again, and values in between are
+interpolated linearly (extrapolated from the last two beyond the grid: GEMMs are linear in rows
+once they are compute bound).
 
 The measurements are cached as JSON under `dflash.assets.cache_dir() / "calibration"`, keyed by
 the host (CPU model, flags, ONEDNN_MAX_CPU_ISA, threads, torch), the checkpoints (paths, sizes,
@@ -15,70 +21,92 @@ cache file that cannot be read is ignored with a warning.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from .. import assets, host
 
 CONTEXT = 128          # cached tokens per sequence while timing (a short conversation)
 MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is compute bound)
 REPEATS = 5
+SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
+RETRIES = 2              # ... at most this many times (the fastest time is kept)
+FORMAT = 2               # of the cache files: files of another format are not read
 CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 
 
 @dataclass
 class CostModel:
-    """Seconds per step component: target_s {rows: s} for one verify pass, draft_s {drafting
-    sequences: s} for one draft step (empty without a draft), for an engine of `block_size`."""
+    """Seconds per step component for an engine of `block_size`: target_s {rows: s} for one
+    verify pass (rows packed B to a sequence), draft_s {drafting sequences: s} for one draft
+    step (empty without a draft), decode_s {sequences: s} for one pass of one row per sequence
+    (empty: target_s, which is that layout when block_size is 1). Row counts may be numpy
+    arrays (the chooser prices every total at once)."""
 
     target_s: dict[int, float]
     draft_s: dict[int, float]
     block_size: int = 1
+    decode_s: dict[int, float] = field(default_factory=dict)
 
-    def target(self, rows: int) -> float:
+    def target(self, rows):
         return _interpolate(self.target_s, rows)
 
-    def draft(self, sequences: int) -> float:
-        return 0.0 if sequences == 0 or not self.draft_s else \
-            _interpolate(self.draft_s, sequences)
+    def decode(self, sequences):
+        return _interpolate(self.decode_s or self.target_s, sequences)
+
+    def extra(self, sequences, rows):
+        """What verifying `rows` rows over `sequences` sequences costs beyond decoding them."""
+        return np.maximum(self.target(rows) - self.target(sequences), 0.0)
+
+    def draft(self, sequences):
+        if not self.draft_s:
+            return np.zeros(np.shape(sequences))
+        return np.where(np.asarray(sequences) == 0, 0.0, _interpolate(self.draft_s, sequences))
+
+    def step(self, sequences: int, rows: int, drafting: int) -> float:
+        """One decode step: `sequences` sequences, `rows` verified rows, `drafting` drafting."""
+        return float(self.decode(sequences) + self.extra(sequences, rows) + self.draft(drafting))
 
     def to_json(self) -> dict:
-        return {"target_ms": {str(k): round(v * 1e3, 4) for k, v in self.target_s.items()},
-                "draft_ms": {str(k): round(v * 1e3, 4) for k, v in self.draft_s.items()},
-                "block_size": self.block_size}
+        ms = lambda d: {str(k): round(v * 1e3, 4) for k, v in d.items()}  # noqa: E731
+        return {"target_ms": ms(self.target_s), "draft_ms": ms(self.draft_s),
+                "decode_ms": ms(self.decode_s), "block_size": self.block_size}
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         parse = lambda d: {int(k): float(v) / 1e3 for k, v in d.items()}  # noqa: E731
-        model = cls(parse(data["target_ms"]), parse(data["draft_ms"]), int(data["block_size"]))
+        model = cls(parse(data["target_ms"]), parse(data["draft_ms"]), int(data["block_size"]),
+                    parse(data["decode_ms"]))
         if not model.target_s or any(v <= 0 for v in (*model.target_s.values(),
-                                                      *model.draft_s.values())):
+                                                      *model.draft_s.values(),
+                                                      *model.decode_s.values())):
             raise ValueError("a cost model needs positive timings")
         return model
 
     def table(self) -> str:
         """The measurements as a small text table (what `dflash bench` prints)."""
-        lines = ["verify rows: " + "  ".join(f"{k}:{v * 1e3:.1f}ms"
-                                             for k, v in sorted(self.target_s.items()))]
-        if self.draft_s:
-            lines.append("draft seqs:  " + "  ".join(f"{k}:{v * 1e3:.1f}ms"
-                                                     for k, v in sorted(self.draft_s.items())))
-        return "\n".join(lines)
+        rows = [("verify rows:", self.target_s), ("decode seqs:", self.decode_s),
+                ("draft seqs: ", self.draft_s)]
+        return "\n".join(f"{title} " + "  ".join(f"{k}:{v * 1e3:.1f}ms" for k, v in
+                                                 sorted(points.items()))
+                         for title, points in rows if points)
 
 
-def _interpolate(points: dict[int, float], x: int) -> float:
-    xs = sorted(points)
+def _interpolate(points: dict[int, float], x):
+    """Piecewise linear through the points, extended linearly beyond both ends; never below 0."""
+    xs = np.array(sorted(points), dtype=np.float64)
+    ys = np.array([points[k] for k in sorted(points)])
     if len(xs) == 1:
-        return points[xs[0]] * max(x, 1) / xs[0]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1 = xs[i - 1], xs[i]
-    y0, y1 = points[x0], points[x1]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+        return ys[0] * np.maximum(x, 1) / xs[0]
+    i = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return np.maximum(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
 def powers_of_two_to(limit: int) -> list[int]:
@@ -92,8 +120,9 @@ def powers_of_two_to(limit: int) -> list[int]:
 
 def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_len: int
               ) -> CostModel:
-    """Time the worker's verify pass up to max_num_seqs * block_size rows and its draft step up
-    to max_num_seqs sequences, in cache blocks borrowed from `allocator` (returned after)."""
+    """Time the worker's verify pass up to max_num_seqs * block_size rows and its decode and
+    draft steps up to max_num_seqs sequences, in cache blocks borrowed from `allocator`
+    (returned after)."""
     capacity = allocator.num_blocks * allocator.block_size
     context = max(min(CONTEXT, max_model_len - block_size, capacity - block_size), 1)
     tables: list[list[int]] = []
@@ -105,13 +134,30 @@ def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_l
             tables.append(table)
         if not tables:
             raise ValueError("the cache cannot hold one sequence to calibrate with")
-        rows = min(len(tables) * block_size, MAX_MEASURED_ROWS)
-        target_s, draft_s = worker.measure_costs(tables, context, powers_of_two_to(rows),
-                                                 powers_of_two_to(len(tables)), REPEATS)
+        rows = powers_of_two_to(min(len(tables) * block_size, MAX_MEASURED_ROWS))
+        seqs = powers_of_two_to(len(tables))
+        measured = worker.measure_costs(tables, context, rows, seqs, REPEATS)
+        for _ in range(RETRIES):   # a preempted point would mislead every step's choice
+            suspects = [_suspects(points) for points in measured]
+            if not any(suspects):
+                break
+            again = worker.measure_costs(tables, context, suspects[0],
+                                         sorted(set(suspects[1]) | set(suspects[2])), REPEATS)
+            for points, new in zip(measured, again):
+                for x, seconds in new.items():
+                    points[x] = min(points[x], seconds)
     finally:
         for table in tables:
             allocator.free(table)
-    return CostModel(target_s, draft_s, block_size)
+    target_s, draft_s, decode_s = measured
+    return CostModel(target_s, draft_s, block_size, decode_s)
+
+
+def _suspects(points: dict[int, float]) -> list[int]:
+    """Grid points measured more than SUSPECT times slower than some larger point."""
+    xs = sorted(points)
+    return [x for i, x in enumerate(xs)
+            if any(points[x] > SUSPECT * points[y] for y in xs[i + 1:])]
 
 
 # ------------------------------------------------------------------------------------ cache
@@ -119,7 +165,7 @@ def cache_key(target, draft, dtype: str, **shape) -> dict:
     """What a measurement depends on: host, checkpoints (by path, size and mtime), dtype, shapes."""
     from .. import __version__  # the package is fully imported by the time an engine starts
 
-    return {"host": host.describe(), "dflash": __version__, "dtype": dtype,
+    return {"format": FORMAT, "host": host.describe(), "dflash": __version__, "dtype": dtype,
             "target": _identity(target), "draft": None if draft is None else _identity(draft),
             **shape}
 

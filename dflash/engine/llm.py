@@ -345,9 +345,10 @@ class LLM:
             # request-steps that verified k drafts, k = 0..B-1
             "verify_length_histogram": list(self._verify_lengths),
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
-            # measured / predicted step time (speculating, not), as the planner corrects it
-            "cost_model_correction": None if self.planner is None else
-            getattr(self.planner, "time_factor", None),
+            # the planner's fit of measured step time to the cost model's decode and
+            # speculation parts (tests may plan with a stand-in that has none)
+            "cost_model_correction": None if getattr(self.planner, "time", None) is None else
+            self.planner.time.as_dict(),
         }
 
     def reset_metrics(self) -> None:

@@ -3,15 +3,17 @@ tokens per second under the host's measured cost model.
 
 Verifying the first k drafts of a sequence commits 1 + E[accepted] tokens, where
 E[accepted] = sum_{j<=k} P(drafts 1..j all accepted), and costs k more verify rows. A step over n
-sequences with k_i verified drafts each costs target(n + sum k_i) + draft(#{k_i > 0}). Speculation
+sequences with k_i verified drafts each costs the cost model's decode(n), plus what the
+n + sum k_i rows add to it, plus draft(#{k_i > 0}) (`CostModel.step`). Speculation
 that cannot pay on this host (expensive rows, low acceptance, large batches) is thereby switched
 off by itself, and turned back on when it pays again.
 
 Acceptance is estimated per draft position as the conditional probability that draft j is
 accepted given that drafts 1..j-1 were, exponentially weighted, per request (starting from, and
 drifting back to, the engine-wide estimate) and engine-wide. The cost model is corrected by the
-measured time of every step (an exponentially weighted ratio of measured to predicted time, one
-for steps that speculate and one for steps that do not). Choosing k from past acceptance and
+measured time of every step: measured = a * decode part + b * speculation part, a and b fitted
+online (`TimeCorrection`), so that a calibration taken at another context length or layout, or
+on a busier machine, is not taken at its word. Choosing k from past acceptance and
 timings only (never from the current drafts) keeps verification exact: greedy output is the
 target's own, and sampled output keeps the target distribution.
 """
@@ -25,7 +27,10 @@ REQUEST_ALPHA = 0.2     # weight of one observation in a request's own estimate
 ENGINE_ALPHA = 0.02     # ... in the engine-wide estimate
 RELAX = 0.05            # per unobserved step, how far a request's estimate drifts to the engine's
 PROBE_EVERY = 64        # steps with speculation off before one sequence verifies a full block
-TIME_ALPHA = 0.05       # weight of one step's measured / predicted time in the correction
+TIME_ALPHA = 0.05       # weight of one step in the time correction's moments
+TIME_RIDGE = 0.01       # pull of the calibration (a = b = 1), relative to each part's own data
+TIME_OUTLIER = 4.0      # a step is counted as at most this many times its prediction (or 1/x)
+TIME_LIMITS = (0.1, 100.0)
 
 
 class Acceptance:
@@ -58,36 +63,69 @@ class Acceptance:
 
 def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) -> list[int]:
     """Verify lengths k_i maximising (n + sum_i sum_{j<=k_i} cumulative[i][j-1]) /
-    (target_cost(n + sum k_i) + draft_cost(#{k_i > 0})).
+    (target_cost(n + sum k_i) + draft_cost(#{k_i > 0})). Both costs are called once, with a
+    numpy array of every possible row total / number of drafting sequences.
 
     Each row of `cumulative` is non-increasing, so for a given total of verified drafts among a
     given set of drafting sequences the most valuable choice takes the largest values, a prefix
     of each row. For each d, the d sequences most likely to accept their first draft form the
-    set, and every prefix of their values in decreasing order is scored. With d = n this visits
-    the best choice for every total, so the result is the exact optimum when draft_cost depends
-    only on whether any sequence drafts, and near it when it grows with their number."""
+    set, and every prefix of their values in decreasing order is scored (all d at once, from
+    one sort of all the values). With d = n this visits the best choice for every total, so
+    the result is the exact optimum when draft_cost depends only on whether any sequence
+    drafts, and near it when it grows with their number."""
     n = len(cumulative)
     if n == 0 or not cumulative[0]:
         return [0] * n
     values = np.asarray(cumulative, dtype=np.float64)
     k = values.shape[1]
-    target = np.array([target_cost(rows) for rows in range(n, n + n * k + 1)])
-    best_rate, best = n / target[0], None
+    totals = np.arange(n, n + n * k + 1)
+    target = np.broadcast_to(np.asarray(target_cost(totals), dtype=np.float64), totals.shape)
+    drafting = np.arange(1, n + 1)
+    draft = np.broadcast_to(np.asarray(draft_cost(drafting), dtype=np.float64), drafting.shape)
     by_first = np.argsort(-values[:, 0], kind="stable")
-    for d in range(1, n + 1):
-        chosen = by_first[:d]
-        flat = values[chosen].ravel()
-        order = np.argsort(-flat, kind="stable")   # row-major ties keep each row's prefix
-        rates = (n + np.cumsum(flat[order])) / (target[1: d * k + 1] + draft_cost(d))
-        m = int(np.argmax(rates))
-        if rates[m] > best_rate:
-            best_rate, best = float(rates[m]), (chosen, order[: m + 1])
-    ks = [0] * n
-    if best is not None:
-        chosen, picked = best
-        for i in chosen[picked // k]:
-            ks[int(i)] += 1
-    return ks
+    rank = np.empty(n, dtype=np.int64)
+    rank[by_first] = np.arange(n)
+    flat = values.ravel()
+    order = np.argsort(-flat, kind="stable")   # row-major ties keep each row's prefix
+    row = order // k
+    # member[d - 1, j]: the j-th largest value is one of the first d sequences' (by first value)
+    member = rank[row][None, :] < drafting[:, None]
+    gains = np.cumsum(np.where(member, flat[order], 0.0), axis=1)
+    rates = np.where(member, (n + gains) / (target[np.cumsum(member, axis=1)] + draft[:, None]),
+                     -np.inf)
+    d, j = np.unravel_index(int(np.argmax(rates)), rates.shape)
+    if rates[d, j] <= n / target[0]:
+        return [0] * n
+    return np.bincount(row[: j + 1][member[d, : j + 1]], minlength=n).tolist()
+
+
+class TimeCorrection:
+    """Measured step time ~ a * (its predicted decode part) + b * (its predicted speculation
+    part: extra rows and draft), a and b fitted by exponentially weighted least squares with a
+    small pull towards the calibration (a = b = 1) that is relative to each part's share of the
+    data, so a part that is small or never seen stays near its calibration and an ambiguous fit
+    (every step alike) shares the misfit. Steps without speculation pin a; speculating steps
+    then pin b. One factor per kind of step would instead fold a mismatch of the decode part
+    (longer contexts than calibrated, another batch layout) into the price of speculating."""
+
+    def __init__(self):
+        self.a = self.b = 1.0
+        self._xx = np.zeros((2, 2))
+        self._xy = np.zeros(2)
+
+    def observe(self, decode: float, speculation: float, seconds: float) -> None:
+        scale = decode + speculation   # every step weighs alike, however long
+        x = np.array([decode, speculation]) / scale
+        predicted = self.a * x[0] + self.b * x[1]
+        y = min(max(seconds / scale, predicted / TIME_OUTLIER), predicted * TIME_OUTLIER)
+        self._xx += TIME_ALPHA * (np.outer(x, x) - self._xx)
+        self._xy += TIME_ALPHA * (x * y - self._xy)
+        prior = TIME_RIDGE * (np.diag(self._xx) + 1e-6)
+        a, b = np.linalg.solve(self._xx + np.diag(prior), self._xy + prior)
+        self.a, self.b = (float(np.clip(v, *TIME_LIMITS)) for v in (a, b))
+
+    def as_dict(self) -> dict[str, float]:
+        return {"decode": round(self.a, 4), "speculation": round(self.b, 4)}
 
 
 class Planner:
@@ -99,17 +137,12 @@ class Planner:
         self._requests: dict[int, Acceptance] = {}
         self._off_steps = 0
         self._probe = 0
-        # measured / predicted step time, for steps that speculate and steps that do not: the
-        # calibration times one layout of rows at one context length, real batches differ
-        self.time_factor = {True: 1.0, False: 1.0}
+        self.time = TimeCorrection()
 
     def plan(self, requests) -> list[int]:
         estimates = [self._estimate(r.request_id) for r in requests]
-        n, factor = len(requests), self.time_factor
-        ks = choose_num_drafts(
-            [e.cumulative() for e in estimates],
-            lambda rows: self.cost_model.target(rows) * factor[rows > n],
-            lambda d: self.cost_model.draft(d) * factor[True])
+        ks = choose_num_drafts([e.cumulative() for e in estimates],
+                               *step_costs(self.cost_model, len(requests), self.time))
         if any(ks):
             self._off_steps = 0
         else:
@@ -130,12 +163,10 @@ class Planner:
             self.engine.observe(k, a, ENGINE_ALPHA)
 
     def observe_time(self, num_drafts: list[int], seconds: float) -> None:
-        """Correct the cost model by a step's measured time (EW ratio to its prediction)."""
-        speculating = any(num_drafts)
-        predicted = self.cost_model.target(len(num_drafts) + sum(num_drafts)) + \
-            self.cost_model.draft(sum(k > 0 for k in num_drafts))
-        ratio = min(max(seconds / predicted, 0.25), 4.0)   # one preempted step moves it little
-        self.time_factor[speculating] += TIME_ALPHA * (ratio - self.time_factor[speculating])
+        """Correct the cost model by a step's measured time."""
+        n, c = len(num_drafts), self.cost_model
+        self.time.observe(float(c.decode(n)), float(c.extra(n, n + sum(num_drafts))) +
+                          c.draft(sum(k > 0 for k in num_drafts)), seconds)
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -146,11 +177,18 @@ class Planner:
         return self._requests[request_id]
 
 
+def step_costs(cost_model, n: int, time: TimeCorrection):
+    """The chooser's (target_cost(rows), draft_cost(drafting)) for a step over n sequences,
+    corrected by `time`."""
+    decode = time.a * cost_model.decode(n)
+    return (lambda rows: decode + time.b * cost_model.extra(n, rows),
+            lambda d: time.b * cost_model.draft(d))
+
+
 def step_rate(ks: list[int], cumulative: list[list[float]], cost_model) -> float:
     """Expected committed tokens per second of one step verifying ks[i] drafts of sequence i."""
     gain = len(ks) + sum(sum(row[:k]) for row, k in zip(cumulative, ks))
-    cost = cost_model.target(len(ks) + sum(ks)) + cost_model.draft(sum(k > 0 for k in ks))
-    return gain / cost
+    return gain / cost_model.step(len(ks), len(ks) + sum(ks), sum(k > 0 for k in ks))
 
 
 def expected_rate(cost_model, block_size: int, max_num_seqs: int) -> tuple[float, float]:
@@ -159,7 +197,7 @@ def expected_rate(cost_model, block_size: int, max_num_seqs: int) -> tuple[float
     rates = []
     for n in (1, max_num_seqs):
         cumulative = [Acceptance([PRIOR] * (block_size - 1)).cumulative()] * n
-        ks = choose_num_drafts(cumulative, cost_model.target, cost_model.draft) \
+        ks = choose_num_drafts(cumulative, *step_costs(cost_model, n, TimeCorrection())) \
             if block_size > 1 else [0] * n
         rates.append(step_rate(ks, cumulative, cost_model))
     return rates[0], rates[1]

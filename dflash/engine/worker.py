@@ -228,11 +228,12 @@ class Worker:
     # -------------------------------------------------------------------------- calibration
     @torch.inference_mode()
     def measure_costs(self, tables: list[list[int]], context: int, rows_grid: list[int],
-                      seqs_grid: list[int], repeats: int) -> tuple[dict, dict]:
+                      seqs_grid: list[int], repeats: int) -> tuple[dict, dict, dict]:
         """Seconds (the fastest of `repeats` runs) of one verify pass (target forward, lm_head,
-        greedy acceptance and the context write) for each total row count in `rows_grid`, spread
-        over sequences of up to B rows with `context` cached tokens each, and of one draft step
-        for each number of drafting sequences in `seqs_grid`. `tables`: free block tables, each
+        greedy acceptance and the context write) for each total row count in `rows_grid`, packed
+        B rows to a sequence, with `context` cached tokens each; and for each sequence count in
+        `seqs_grid`, of one draft step and of one pass with one row per sequence (only with
+        B > 1: for B = 1 that is the first measurement). `tables`: free block tables, each
         holding context + B tokens, at least max(rows_grid) / B (rounded up) and max(seqs_grid)
         of them. Caches are written only inside those blocks."""
         b = self.block_size
@@ -245,21 +246,25 @@ class Worker:
         draft_ids = torch.randint(0, self.target.cfg.vocab_size, (len(requests), b - 1),
                                   generator=g).to(self.device)
 
-        def verify(rows: int) -> None:
-            n = -(-rows // b)
-            ks = [b - 1] * (n - 1) + [rows - (n - 1) * b - 1]
-            verified = self.run_validate(requests[:n], ks, draft_ids[:n], None)
+        def verify(ks: list[int]) -> None:
+            verified = self.run_validate(requests[:len(ks)], ks, draft_ids[:len(ks)], None)
             if self.draft is not None:
                 self.write_context_kv(verified)
+
+        def packed(rows: int) -> list[int]:
+            n = -(-rows // b)
+            return [b - 1] * (n - 1) + [rows - (n - 1) * b - 1]
 
         def draft(n: int) -> None:
             self.run_decode_draft(self.prepare_query_inputs(requests[:n]))
 
-        target_s = {rows: _fastest_seconds(lambda r=rows: verify(r), repeats)
+        target_s = {rows: _fastest_seconds(lambda r=rows: verify(packed(r)), repeats)
                     for rows in rows_grid}
         draft_s = {} if self.draft is None else \
             {n: _fastest_seconds(lambda n=n: draft(n), repeats) for n in seqs_grid}
-        return target_s, draft_s
+        decode_s = {} if b == 1 else \
+            {n: _fastest_seconds(lambda n=n: verify([0] * n), repeats) for n in seqs_grid}
+        return target_s, draft_s, decode_s
 
     # ----------------------------------------------------------------------------- helpers
     def _pending(self, requests):
