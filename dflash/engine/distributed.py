@@ -53,6 +53,8 @@ class TPWorker(Worker):
     """A Worker whose sampling decisions are rank 0's. On rank 0 (with a `group`) each call is
     first sent to the followers; on a follower (group None) `follow` replays rank 0's calls."""
 
+    defer_context = False   # followers rebuild their requests every call: nothing can wait
+
     def __init__(self, tp: TensorParallel, group: Group | None, *worker_args):
         self.tp, self.group = tp, group
         super().__init__(*worker_args)

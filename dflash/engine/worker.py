@@ -7,7 +7,8 @@ verify length k (0..B-1, chosen by the scheduler):
   run_decode_draft      one non-causal draft forward -> B-1 draft tokens per such sequence
   run_validate          one causal target forward over [pending, first k drafts] of every
                         sequence (a ragged batch) + rejection sampling
-  write_context_kv      the committed rows' target features -> the draft's context cache
+  write_context_kv      the committed rows' target features -> the draft's context cache (held
+                        back for sequences that verified no drafts until they draft again)
 
 Without a draft the same path runs with B = 1: the block is just the pending token and rejection
 sampling emits the one bonus token, i.e. plain autoregressive decoding (the speedup baseline).
@@ -45,7 +46,12 @@ class Verified:
     meta: AttentionMetadata
 
 
+BACKLOG_ROWS = 128   # draft-context rows a sequence that stopped drafting may hold back
+
+
 class Worker:
+    defer_context = True   # hold back the draft context of non-drafting sequences (see below)
+
     def __init__(self, target: TargetModel, draft: DFlashDraft | None, num_kv_blocks: int,
                  kv_block_size: int, block_size: int, draft_sampling: str = "greedy"):
         if draft_sampling not in ("greedy", "sample"):
@@ -182,16 +188,45 @@ class Worker:
         return out, accepted
 
     @torch.inference_mode()
-    def write_context_kv(self, verified: Verified) -> None:
+    def write_context_kv(self, verified: Verified, requests: list[Request]) -> None:
         """Append the features of each sequence's committed rows (its first a + 1 verified rows)
-        to the draft's context cache."""
-        keep, start = [], 0
-        for a, k in zip(verified.accepted, verified.num_drafts):
-            keep += range(start, start + a + 1)
+        to the draft's context cache.
+
+        The row of a sequence that verified no drafts waits on its request instead (up to
+        BACKLOG_ROWS of them) and is written, with the others held back, when the sequence
+        drafts again (`_flush_context`), or never if it finishes first: at large batches
+        speculation often stays off, and then every write would be pure cost. Each row's K/V
+        depend on that row alone, so a late write stores what an immediate one would have."""
+        keep, held, waiting, start = [], [], [], 0
+        for r, a, k in zip(requests, verified.accepted, verified.num_drafts):
+            if k == 0 and self.defer_context and len(r.context_backlog) < BACKLOG_ROWS:
+                held.append(start)
+                waiting.append(r)
+            else:
+                keep += range(start, start + a + 1)
             start += k + 1
-        keep = torch.tensor(keep, device=self.device)
-        self.draft.write_context(verified.features[keep], verified.meta.positions[keep],
-                                 verified.meta.slot_mapping[keep], self.draft_cache)
+        meta = verified.meta
+        if held:
+            rows = torch.tensor(held, device=self.device)
+            features, positions, slots = (verified.features[rows], meta.positions[rows],
+                                          meta.slot_mapping[rows])
+            for j, r in enumerate(waiting):
+                r.context_backlog.append((features[j], positions[j], slots[j]))
+        if keep:
+            rows = torch.tensor(keep, device=self.device)
+            self.draft.write_context(verified.features[rows], meta.positions[rows],
+                                     meta.slot_mapping[rows], self.draft_cache)
+
+    @torch.inference_mode()
+    def _flush_context(self, requests: list[Request]) -> None:
+        """Write the draft context the requests held back (before they draft)."""
+        rows = [row for r in requests for row in r.context_backlog]
+        if not rows:
+            return
+        features, positions, slots = (torch.stack(column) for column in zip(*rows))
+        self.draft.write_context(features, positions, slots, self.draft_cache)
+        for r in requests:
+            r.context_backlog.clear()
 
     def step(self, requests: list[Request], proposer=None, num_drafts: list[int] | None = None
              ) -> tuple[list[list[int]], list[int]]:
@@ -199,7 +234,8 @@ class Worker:
 
         num_drafts[i] (0..B-1, default B-1) is how many of request i's drafts are verified; the
         draft forward runs only for the requests with k > 0 (not at all when every k is 0), and
-        the draft context is written for all of them. `proposer(inputs)` replaces the draft model
+        the draft context is written for all of them (see write_context_kv for when).
+        `proposer(inputs)` replaces the draft model
         (tests script acceptance with it).
         """
         b = self.block_size
@@ -211,6 +247,7 @@ class Worker:
         draft_probs = None
         drafting = [i for i, k in enumerate(num_drafts) if k > 0]
         if drafting:
+            self._flush_context([requests[i] for i in drafting])
             ids, probs = (proposer or self.run_decode_draft)(
                 self.prepare_query_inputs([requests[i] for i in drafting]))
             idx = torch.tensor(drafting, device=self.device)
@@ -220,7 +257,7 @@ class Worker:
                 draft_probs[idx] = probs
         verified = self.run_validate(requests, num_drafts, draft_ids, draft_probs)
         if self.draft is not None:
-            self.write_context_kv(verified)
+            self.write_context_kv(verified, requests)
         for r, a in zip(requests, verified.accepted):
             r.num_cached += a + 1
         return verified.emitted, verified.accepted
@@ -249,7 +286,7 @@ class Worker:
         def verify(ks: list[int]) -> None:
             verified = self.run_validate(requests[:len(ks)], ks, draft_ids[:len(ks)], None)
             if self.draft is not None:
-                self.write_context_kv(verified)
+                self.write_context_kv(verified, requests[:len(ks)])
 
         def packed(rows: int) -> list[int]:
             n = -(-rows // b)
