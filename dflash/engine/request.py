@@ -76,8 +76,9 @@ class Request:
         self.generator = generator
         self.stop_ids = stop_ids
         self.block_table: list[int] = []
-        self.num_cached = 0   # tokens with cached target K/V (and draft context, but for
-        self.context_backlog: list = []   # these rows, held back: Worker.write_context_kv)
+        self.num_cached = 0   # tokens with cached target K/V and draft context, except:
+        # draft-context rows held back (features, position, slot): Worker.write_context_kv
+        self.context_backlog: list = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None

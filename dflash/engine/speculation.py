@@ -30,7 +30,7 @@ PROBE_EVERY = 64        # steps with speculation off before one sequence verifie
 TIME_ALPHA = 0.05       # weight of one step in the time correction's moments
 TIME_RIDGE = 0.01       # pull of the calibration (a = b = 1), relative to each part's own data
 TIME_OUTLIER = 4.0      # a step is counted as at most this many times its prediction (or 1/x)
-TIME_LIMITS = (0.1, 100.0)
+TIME_LIMITS = (0.1, 100.0)   # how far the fit may move a and b from the calibration
 
 
 class Acceptance:
