@@ -332,3 +332,19 @@ def test_held_back_draft_context_gives_the_draft_what_an_immediate_write_gives(
     assert len(hidden[True]) == len(hidden[False]) > 10
     assert max((a - b).abs().max().item() for a, b in zip(hidden[True], hidden[False])) < 1e-5
     assert max(flushed) >= 2   # rows were held back and written late
+
+
+def test_the_draft_head_runs_only_for_drafts_that_can_be_verified(models):
+    """A step whose sequences verify at most k drafts proposes k per sequence: the first k of
+    the full block's drafts (float32), whatever the draft's head does with the rest."""
+    target, draft = models
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation="fixed")
+    requests = [llm._request(p, SamplingParams()) for p in PROMPTS[:3]]
+    for r in requests:
+        llm.allocator.grow(r.block_table, len(r.prompt_ids) + 2 * B)
+    for r, t in zip(requests, llm.worker.prefill(requests)):
+        r.append([t])
+    worker = llm.worker
+    full, _ = worker.run_decode_draft(worker.prepare_query_inputs(requests))
+    few, _ = worker.run_decode_draft(worker.prepare_query_inputs(requests, 2))
+    assert full.shape == (3, B - 1) and torch.equal(few, full[:, :2])

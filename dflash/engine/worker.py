@@ -4,7 +4,7 @@ A decode step for a batch of sequences, each with `n` cached tokens, a pending l
 verify length k (0..B-1, chosen by the scheduler):
   prepare_query_inputs  block [pending, MASK * (B-1)] at positions n .. n+B-1 for every sequence
                         with k > 0
-  run_decode_draft      one non-causal draft forward -> B-1 draft tokens per such sequence
+  run_decode_draft      one non-causal draft forward -> max(k) draft tokens per such sequence
   run_validate          one causal target forward over [pending, first k drafts] of every
                         sequence (a ragged batch) + rejection sampling
   write_context_kv      the committed rows' target features -> the draft's context cache (held
@@ -33,6 +33,7 @@ class StepInputs:
     tokens: torch.Tensor          # [Bs * B] block tokens (pending token, then masks)
     meta: AttentionMetadata       # positions / slots / tables shared by draft and target
     block_size: int
+    num_drafts: int               # the most drafts any of these sequences verifies (<= B-1)
 
 
 @dataclass
@@ -99,35 +100,39 @@ class Worker:
         return first
 
     # --------------------------------------------------------------------------- the step
-    def prepare_query_inputs(self, requests: list[Request]) -> StepInputs:
-        """The draft's block for each request: [pending, MASK * (B-1)] at its next positions."""
+    def prepare_query_inputs(self, requests: list[Request], num_drafts: int | None = None
+                             ) -> StepInputs:
+        """The draft's block for each request: [pending, MASK * (B-1)] at its next positions;
+        drafts are made for the first `num_drafts` (default B-1) of the masks."""
         b = self.block_size
         tokens = torch.full((len(requests), b), -1 if self.mask_token_id is None
                             else self.mask_token_id, device=self.device)
         tokens[:, 0] = self._pending(requests)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
                               [b] * len(requests), self.kv_block_size, self.device)
-        return StepInputs(requests, tokens.flatten(), meta, b)
+        return StepInputs(requests, tokens.flatten(), meta, b,
+                          b - 1 if num_drafts is None else num_drafts)
 
     @torch.inference_mode()
     def run_decode_draft(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens [Bs, B-1] (argmax, or sampled with dense probabilities [Bs, B-1, V])."""
-        bs, b = len(inputs.requests), inputs.block_size
+        """Draft tokens [Bs, K] for K = inputs.num_drafts (argmax, or sampled with dense
+        probabilities [Bs, K, V]). The draft forward runs over the whole block (its attention is
+        non-causal); only the K rows whose drafts can be verified go through the lm_head."""
+        bs, b, k = len(inputs.requests), inputs.block_size, inputs.num_drafts
         hidden = self.draft(self.target.embed_tokens(inputs.tokens),
                             inputs.meta, self.draft_cache)
-        # all B rows go through the lm_head: oneDNN's bf16 GEMM is much slower for B-1 rows than
-        # for B (and for panel_linear in float32 the extra row costs next to nothing)
-        logits = (self.target.logits(hidden) if self.draft_head is None else
-                  linear(hidden, self.draft_head)).view(bs, b, -1)[:, 1:]
+        rows = hidden.view(bs, b, -1)[:, 1:k + 1].reshape(bs * k, -1)
+        logits = (self.target.logits(rows) if self.draft_head is None else
+                  linear(rows, self.draft_head)).view(bs, k, -1)
         if self.draft_sampling == "greedy":
             drafts = sampling.first_argmax(logits)
             return (drafts if self.draft_vocab is None else self.draft_vocab[drafts]), None
         probs = sampling.target_probs(logits, [r.params for r in inputs.requests])
-        generators = [g for g in self._generators(inputs.requests) for _ in range(b - 1)]
-        greedy = self._is_greedy(inputs.requests).repeat_interleave(b - 1)
-        drafts = sampling.sample(probs.flatten(0, 1), greedy, generators).view(bs, b - 1)
+        generators = [g for g in self._generators(inputs.requests) for _ in range(k)]
+        greedy = self._is_greedy(inputs.requests).repeat_interleave(k)
+        drafts = sampling.sample(probs.flatten(0, 1), greedy, generators).view(bs, k)
         if self.draft_vocab is not None:   # q is zero outside the draft vocabulary
-            full = probs.new_zeros(bs, b - 1, self.target.cfg.vocab_size)
+            full = probs.new_zeros(bs, k, self.target.cfg.vocab_size)
             probs = full.index_copy_(2, self.draft_vocab, probs)
             drafts = self.draft_vocab[drafts]
         return drafts, probs
@@ -249,9 +254,9 @@ class Worker:
         if drafting:
             self._flush_context([requests[i] for i in drafting])
             ids, probs = (proposer or self.run_decode_draft)(
-                self.prepare_query_inputs([requests[i] for i in drafting]))
+                self.prepare_query_inputs([requests[i] for i in drafting], max(num_drafts)))
             idx = torch.tensor(drafting, device=self.device)
-            draft_ids[idx] = ids
+            draft_ids[idx, :ids.shape[1]] = ids
             if probs is not None:
                 draft_probs = probs.new_zeros(len(requests), *probs.shape[1:])
                 draft_probs[idx] = probs
