@@ -85,6 +85,14 @@ def test_rejection_sample_zero_residual_falls_back_to_p(emu):
     assert_same_tokens(emu, zero)
 
 
+@pytest.mark.parametrize("dense, v", [(False, 6700), (True, 5200)])
+def test_rejection_sample_tile_near_the_select_reserved_ub(emu, dense, v):
+    # One tile holds the whole vocabulary; planned against the full 192 KiB its buffers would
+    # reach into the last 8 KiB, where Select (tensor-scalar) stores its scalar.
+    for seed in range(2):
+        assert_same_tokens(emu, rejection_sample_inputs(bs=3, k=4, v=v, dense=dense, seed=seed))
+
+
 def test_rejection_sample_full_vocabulary(emu):
     for dense in (True, False):
         assert_same_tokens(emu, rejection_sample_inputs(bs=2, k=3, v=151936, dense=dense, seed=6))
