@@ -176,7 +176,8 @@ inline ContextKvLaunch prepare_context_kv(
   for (int64_t i = 0; i < layers; ++i) {
     for (int kind = 0; kind < 2; ++kind) {
       const at::Tensor& cache = kind == 0 ? key_caches[i] : value_caches[i];
-      entry[i][kind][0] = reinterpret_cast<int64_t>(cache.data_ptr());
+      // A device address as the kernel reads it back: pointer -> uintptr_t -> int64_t.
+      entry[i][kind][0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(cache.data_ptr()));
       entry[i][kind][1] = cache.stride(0);
       entry[i][kind][2] = cache.stride(1);
     }
