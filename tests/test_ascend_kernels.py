@@ -30,9 +30,9 @@ def test_schemas_match_torch_ops_dflash(emu):
 # rejection_sample
 # ---------------------------------------------------------------------------------------------
 
-def assert_same_tokens(emu, args):
+def assert_same_tokens(emu, args, validate=True):
     expected = reference.rejection_sample(**args)
-    got = emu.rejection_sample(**args)
+    got = emu.rejection_sample(**args, validate=validate)
     assert torch.equal(got[0], expected[0]), (got[0], expected[0])
     assert torch.equal(got[1], expected[1])
     return expected[1]
@@ -59,7 +59,7 @@ def test_rejection_sample_any_tiling_and_block_count(emu, cores, max_tile):
     for dense in (True, False):
         for seed in range(4):
             args = rejection_sample_inputs(bs=5, k=5, v=1000, dense=dense, seed=seed)
-            assert_same_tokens(emu, args)
+            assert_same_tokens(emu, args, validate=seed % 2 == 0)  # False: no host value checks
 
 
 def test_rejection_sample_ties_pick_the_first_index_across_tiles(emu):

@@ -55,10 +55,12 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_toke
                                                     const at::Tensor& target_probs,
                                                     const at::Tensor& is_greedy,
                                                     const at::Tensor& uniform,
-                                                    const at::Tensor& exponential) {
+                                                    const at::Tensor& exponential,
+                                                    bool validate) {
   auto l = dflash::ascend::prepare_rejection_sample(draft_token_ids, draft_probs, target_probs,
-                                                    is_greedy, uniform, exponential, config.cores,
-                                                    config.ub_bytes, config.max_tile);
+                                                    is_greedy, uniform, exponential, validate,
+                                                    config.cores, config.ub_bytes,
+                                                    config.max_tile);
   if (l.block_dim == 0) return {l.out_ids, l.num_accepted};
   std::vector<emu::GmArg> args{
       gm(l.draft_ids, false, "draft_token_ids"), gm(l.target_probs, false, "target_probs"),
@@ -180,7 +182,7 @@ TORCH_LIBRARY(dflash_emu, m) {
       "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
-      "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> (Tensor, Tensor)");
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "

@@ -46,13 +46,14 @@ inline void check_probs(const char* op, const char* name, const at::Tensor& prob
   fail(op, name, " row (sequence ", b, ", position ", i, ") has ", what, " probabilities");
 }
 
-inline void check_rejection_sample(const at::Tensor& draft_token_ids,
-                                   const std::optional<at::Tensor>& draft_probs,
-                                   const at::Tensor& target_probs, const at::Tensor& is_greedy,
-                                   const at::Tensor& uniform, const at::Tensor& exponential) {
+// The value checks (token ids, probabilities, noise): they read device tensors back to the host,
+// so only a call with validate = true makes them.
+inline void check_rejection_sample_values(const at::Tensor& draft_token_ids,
+                                          const std::optional<at::Tensor>& draft_probs,
+                                          const at::Tensor& target_probs,
+                                          const at::Tensor& uniform,
+                                          const at::Tensor& exponential) {
   constexpr const char* op = "rejection_sample";
-  checks::rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                                exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1);
   const at::Tensor ids = draft_token_ids.cpu().contiguous();
   checks::rejection_sample_ids(ids.const_data_ptr<int64_t>(), bs, k, target_probs.size(2));
@@ -78,10 +79,13 @@ struct RejectionSampleLaunch {
 inline RejectionSampleLaunch prepare_rejection_sample(
     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
     const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
-    const at::Tensor& exponential, uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    const at::Tensor& exponential, bool validate, uint32_t cores, uint64_t ub_bytes = kUbBytes,
     uint32_t max_tile = 0) {
-  check_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                         exponential);
+  checks::rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                                exponential);
+  if (validate)
+    check_rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
+                                  exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1), v = target_probs.size(2);
   RejectionSampleLaunch l;
   l.tiling = rejection_sample_tiling(bs, k, v, draft_probs.has_value(), ub_bytes, max_tile);
