@@ -173,20 +173,17 @@ def test_select_may_use_the_ub_below_its_reserved_tail():
 
 
 def tree_sum(x, lanes=64):
-    """A2's order: adjacent pairs within each 64-float repeat (zeros past the end), then the
-    repeats' partial sums pairwise."""
-    partials = []
+    """A2's count-form order: adjacent pairs within each 64-float repeat (zeros past the end),
+    then the repeats' sums one after another."""
+    total = None
     for start in range(0, len(x), lanes):
         v = torch.zeros(lanes)
         chunk = x[start:start + lanes]
         v[:len(chunk)] = chunk
         while len(v) > 1:
             v = v[0::2] + v[1::2]
-        partials.append(v[0])
-    while len(partials) > 1:
-        partials = [partials[i] + partials[i + 1] if i + 1 < len(partials) else partials[i]
-                    for i in range(0, len(partials), 2)]
-    return partials[0]
+        total = v[0] if total is None else total + v[0]
+    return total
 
 
 def sequential_sum(x):

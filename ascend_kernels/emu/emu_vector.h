@@ -300,26 +300,22 @@ void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTe
 
 namespace detail {
 
-// A2's vector unit adds the lanes of one repeat (256 bytes) as a binary tree of adjacent pairs
-// (lanes past the count add as zeros), then the repeats' partial sums the same way.
+// A2's count-form ReduceSum adds the lanes of each repeat (256 bytes) as a binary tree of adjacent
+// pairs (lanes past the count add as zeros), then the repeats' sums in order (the API docs'
+// "mode 2" for the first-n form on A2). Sum is documented to add the same way within a repeat;
+// across repeats the emulation takes ReduceSum's order.
 template <typename T>
 compute_t<T> tree_sum(const T* x, uint32_t count) {
   const uint32_t lanes = emu::kRepeatBytes / sizeof(T);
-  std::vector<compute_t<T>> level;
+  compute_t<T> total = 0;
   for (uint32_t start = 0; start < count; start += lanes) {
     std::vector<compute_t<T>> v(lanes, compute_t<T>(0));
     for (uint32_t i = start; i < count && i < start + lanes; ++i) v[i - start] = load(x[i]);
     for (uint32_t width = lanes; width > 1; width /= 2)
       for (uint32_t i = 0; i < width / 2; ++i) v[i] = v[2 * i] + v[2 * i + 1];
-    level.push_back(v[0]);
+    total = start ? total + v[0] : v[0];
   }
-  while (level.size() > 1) {
-    std::vector<compute_t<T>> next;
-    for (size_t i = 0; i < level.size(); i += 2)
-      next.push_back(i + 1 < level.size() ? level[i] + level[i + 1] : level[i]);
-    level.swap(next);
-  }
-  return level[0];
+  return total;
 }
 
 }  // namespace detail
