@@ -62,6 +62,17 @@ def test_rejection_sample_any_tiling_and_block_count(emu, cores, max_tile):
             assert_same_tokens(emu, args, validate=seed % 2 == 0)  # False: no host value checks
 
 
+@pytest.mark.parametrize("dense, validated_copies", [(True, 5), (False, 4)])
+def test_rejection_sample_copies_to_the_host_only_to_validate(emu, dense, validated_copies):
+    # Validation reads the ids and coins and the verdicts of the probability and noise scans back
+    # to the host (each a wait on an NPU); validate=False launches with none.
+    args = rejection_sample_inputs(bs=4, k=3, v=500, dense=dense, seed=1)
+    for validate, copies in ((True, validated_copies), (False, 0)):
+        before = emu.host_copies()
+        assert_same_tokens(emu, args, validate=validate)
+        assert emu.host_copies() - before == copies
+
+
 def test_rejection_sample_ties_pick_the_first_index_across_tiles(emu):
     emu.configure(2, 64)
     args = rejection_sample_inputs(bs=4, k=2, v=300, dense=True, greedy_every=2, seed=3)

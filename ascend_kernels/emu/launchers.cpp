@@ -149,6 +149,9 @@ std::vector<int64_t> paged_attention_plan(int64_t q_heads, int64_t kv_heads, int
   return {t.q_tile, t.head_tile, t.kv_tile};
 }
 
+// Device-to-host copies the shared host code (csrc/npu/ascend_host.h) has made so far.
+int64_t host_copies() { return dflash::ascend::host_copies().load(); }
+
 void configure(int64_t cores, int64_t max_tile, int64_t ub_bytes) {
   TORCH_CHECK_VALUE(cores >= 1 && max_tile >= 0 && ub_bytes >= 0,
                     "configure: cores >= 1, max_tile >= 0 and ub_bytes >= 0");
@@ -188,6 +191,7 @@ TORCH_LIBRARY(dflash_emu, m) {
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
       "float scale, bool causal) -> Tensor");
   m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash_emu::configure);
+  m.def("host_copies() -> int", &dflash_emu::host_copies);
   m.def(
       "paged_attention_plan(int q_heads, int kv_heads, int head_dim, int block_size, "
       "int max_query_len, int elem_bytes) -> int[]",
