@@ -179,3 +179,10 @@ def test_context_kv_rejects_caches_without_contiguous_rows(emu):
     args["key_caches"][1] = args["key_caches"][1].transpose(2, 3).contiguous().transpose(2, 3)
     with pytest.raises(ValueError, match=r"key_caches\[1\] must have contiguous \[Hkv, D\] rows"):
         emu.context_kv(**args)
+
+
+def test_context_kv_copies_positions_and_slots_to_the_host(emu):
+    # Both are validated on the host in every call (one call per step writes every draft layer).
+    before = emu.host_copies()
+    check_context_kv(emu, context_kv_inputs())
+    assert emu.host_copies() - before == 2
