@@ -185,7 +185,8 @@ TORCH_LIBRARY(dflash_emu, m) {
       "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
-      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> (Tensor, Tensor)");
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> "
+      "(Tensor, Tensor)");
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "

@@ -325,7 +325,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     });
     // checks.rejection_sample_values, part 2, in the reference's order
     for (int64_t r = 0; r < n_target; ++r)
-      if (status[r] != kOk) fail_probs("target_probs", r / (k + 1), r % (k + 1), RowStatus(status[r]));
+      if (status[r] != kOk)
+        fail_probs("target_probs", r / (k + 1), r % (k + 1), RowStatus(status[r]));
     for (int64_t r = 0; r < n_draft; ++r)
       if (status[n_target + r] != kOk)
         fail_probs("draft_probs", r / k, r % k, RowStatus(status[n_target + r]));
