@@ -148,7 +148,7 @@ def test_no_query_rows(emu):
 
 def test_every_call_copies_its_index_tensors_to_the_host(emu):
     # cu_query_lens, context_lens and the block table are validated and tiled on the host: three
-    # copies per call, in every layer of every step (the plan / run split is not built yet).
+    # copies per call, in every layer of every step (the launchers have no plan / run split).
     args = matrix_case(64, 2, 16, 16, True, torch.float32)
     before = emu.host_copies()
     check(emu, args)
