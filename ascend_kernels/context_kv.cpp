@@ -48,36 +48,35 @@ class ContextKvEpilogue {
     pipe_.InitBuffer(yBuf_, lanes_ * sizeof(float));
     pipe_.InitBuffer(tBuf_, lanes_ * sizeof(float));
     pipe_.InitBuffer(weightBuf_, 2 * t_.layers * t_.half_pad * sizeof(float));
-    pipe_.InitBuffer(cosSinBuf_, 2 * CosSinStride() * sizeof(float));
+    pipe_.InitBuffer(cosSinQue_, 1, 2 * CosSinStride() * sizeof(float));
     pipe_.InitBuffer(vBuf_, dflash_kernels::Align32(t_.kv_heads * t_.head_dim * sizeof(T)));
     pipe_.InitBuffer(sumBuf_, t_.kv_heads * kSlot * sizeof(float));
     pipe_.InitBuffer(onesBuf_, t_.kv_heads * kSlot * sizeof(float));
     pipe_.InitBuffer(tmpBuf_, t_.reduce_tmp * sizeof(float));
+    valueWritten_.Init(pipe_);
     LoadNormWeights();
   }
 
+  // The token's cos | sin row goes through a VECIN queue: its FreeTensor / AllocTensor order the
+  // next token's load after this token's last use.
   __aicore__ inline void Process() {
-    bool cosSinInUse = false, valueInFlight = false;
     for (uint32_t t = AscendC::GetBlockIdx(); t < t_.tokens; t += AscendC::GetBlockNum()) {
       const int64_t slot = slots_.GetValue(t);
       if (slot < 0) continue;
       const int64_t pos = positions_.GetValue(t);
-      if (cosSinInUse) AscendC::WaitFlag<HardEvent::V_MTE2>(0);
+      LocalTensor<float> cosSin = cosSinQue_.AllocTensor<float>();
       AscendC::DataCopyExtParams cs{2, static_cast<uint32_t>(half_ * sizeof(float)), 0, 0, 0};
-      AscendC::DataCopyPad(cosSinBuf_.Get<float>(), cosSin_[pos * t_.head_dim], cs,
+      AscendC::DataCopyPad(cosSin, cosSin_[pos * t_.head_dim], cs,
                            AscendC::DataCopyPadExtParams<float>{false, 0, 0, 0});
-      AscendC::SetFlag<HardEvent::MTE2_V>(0);
-      AscendC::WaitFlag<HardEvent::MTE2_V>(0);
+      cosSinQue_.EnQue(cosSin);
+      cosSin = cosSinQue_.DeQue<float>();
       for (uint32_t l = 0; l < t_.layers; ++l) {
-        Key(t, l, slot);
-        Value(t, l, slot, valueInFlight);
-        valueInFlight = true;
+        Key(t, l, slot, cosSin);
+        Value(t, l, slot);
       }
-      AscendC::SetFlag<HardEvent::V_MTE2>(0);
-      cosSinInUse = true;
+      cosSinQue_.FreeTensor(cosSin);
     }
-    if (cosSinInUse) AscendC::WaitFlag<HardEvent::V_MTE2>(0);
-    if (valueInFlight) AscendC::WaitFlag<HardEvent::MTE3_MTE2>(0);
+    valueWritten_.Release(pipe_);
   }
 
  private:
@@ -94,8 +93,7 @@ class ContextKvEpilogue {
     } else {
       AscendC::DataCopyPad(weightRawBuf_.Get<T>(), weights_, rows, zeroPad);
     }
-    AscendC::SetFlag<HardEvent::MTE2_V>(0);
-    AscendC::WaitFlag<HardEvent::MTE2_V>(0);
+    dflash_kernels::Sync<HardEvent::MTE2_V>(pipe_);
     if constexpr (!kFloat) {
       AscendC::Cast(w, weightRawBuf_.Get<T>(), AscendC::RoundMode::CAST_NONE,
                     2 * t_.layers * t_.half_pad);
@@ -112,11 +110,12 @@ class ContextKvEpilogue {
     const int64_t offset = slot / t_.block_size * cacheTable_.GetValue(entry + 1) +
                            slot % t_.block_size * cacheTable_.GetValue(entry + 2);
     AscendC::GlobalTensor<T> row;
-    row.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(base) + offset);
+    row.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(static_cast<uintptr_t>(base)) + offset);
     return row;
   }
 
-  __aicore__ inline void Key(uint32_t t, uint32_t l, int64_t slot) {
+  __aicore__ inline void Key(uint32_t t, uint32_t l, int64_t slot,
+                             const LocalTensor<float>& cosSin) {
     LocalTensor<T> raw = kInQue_.template AllocTensor<T>();
     AscendC::DataCopyExtParams halves{static_cast<uint16_t>(2 * t_.kv_heads),
                                       static_cast<uint32_t>(half_ * sizeof(T)), 0, 0, 0};
@@ -135,7 +134,7 @@ class ContextKvEpilogue {
       AscendC::PipeBarrier<PIPE_V>();
     }
     RmsNorm(x, l);
-    Rope(x, l, slot);
+    Rope(x, l, slot, cosSin);
     kInQue_.FreeTensor(raw);
   }
 
@@ -157,8 +156,7 @@ class ContextKvEpilogue {
     AscendC::Sqrt(sums, sums, n);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Div(sums, onesBuf_.Get<float>(), sums, n);
-    AscendC::SetFlag<HardEvent::V_S>(0);
-    AscendC::WaitFlag<HardEvent::V_S>(0);
+    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
     for (uint32_t h = 0; h < t_.kv_heads; ++h) {
       AscendC::Muls(x[h * headLanes_], x[h * headLanes_], sums.GetValue(h * kSlot), headLanes_);
     }
@@ -171,8 +169,8 @@ class ContextKvEpilogue {
 
   // NeoX rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded to float
   // as in the reference; then round to T and write the cache row.
-  __aicore__ inline void Rope(const LocalTensor<float>& x, uint32_t l, int64_t slot) {
-    LocalTensor<float> cos = cosSinBuf_.Get<float>();
+  __aicore__ inline void Rope(const LocalTensor<float>& x, uint32_t l, int64_t slot,
+                              const LocalTensor<float>& cos) {
     LocalTensor<float> sin = cos[CosSinStride()];
     LocalTensor<float> y = yBuf_.Get<float>();
     LocalTensor<float> p = tBuf_.Get<float>();
@@ -208,15 +206,14 @@ class ContextKvEpilogue {
   }
 
   // V is stored as projected: a DMA round trip through the UB.
-  __aicore__ inline void Value(uint32_t t, uint32_t l, int64_t slot, bool previousInFlight) {
-    if (previousInFlight) AscendC::WaitFlag<HardEvent::MTE3_MTE2>(0);
+  __aicore__ inline void Value(uint32_t t, uint32_t l, int64_t slot) {
+    valueWritten_.Wait();
     LocalTensor<T> v = vBuf_.Get<T>();
     const uint32_t n = t_.kv_heads * t_.head_dim;
     dflash_kernels::CopyIn(v, kv_[t * rowElems_ + (2 * l + 1) * n], n);
-    AscendC::SetFlag<HardEvent::MTE2_MTE3>(0);
-    AscendC::WaitFlag<HardEvent::MTE2_MTE3>(0);
+    dflash_kernels::Sync<HardEvent::MTE2_MTE3>(pipe_);
     dflash_kernels::CopyOut(CacheRow(l, 1, slot), v, n);
-    AscendC::SetFlag<HardEvent::MTE3_MTE2>(0);
+    valueWritten_.Set();
   }
 
   ContextKvTiling t_;
@@ -225,8 +222,10 @@ class ContextKvEpilogue {
   AscendC::TPipe pipe_;
   AscendC::TQue<TPosition::VECIN, kBufferNum> kInQue_;
   AscendC::TQue<TPosition::VECOUT, kBufferNum> kOutQue_;
-  AscendC::TBuf<TPosition::VECCALC> xBuf_, weightRawBuf_, yBuf_, tBuf_, weightBuf_, cosSinBuf_,
-      vBuf_, sumBuf_, onesBuf_, tmpBuf_;
+  AscendC::TQue<TPosition::VECIN, 1> cosSinQue_;
+  AscendC::TBuf<TPosition::VECIN> weightRawBuf_, weightBuf_, vBuf_;  // DataCopyPad: VECIN on A2
+  dflash_kernels::CarriedFlag<HardEvent::MTE3_MTE2> valueWritten_;  // vBuf_ is reused
+  AscendC::TBuf<TPosition::VECCALC> xBuf_, yBuf_, tBuf_, sumBuf_, onesBuf_, tmpBuf_;
   AscendC::GlobalTensor<T> kv_, weights_;
   AscendC::GlobalTensor<float> cosSin_;
   AscendC::GlobalTensor<int64_t> positions_, slots_, cacheTable_;

@@ -15,6 +15,41 @@ struct IsSame<A, A> {
   static constexpr bool value = true;
 };
 
+// Flag IDs come from the pipe's pool, which the queues draw from too (EnQue and FreeTensor hold
+// theirs until DeQue / the next AllocTensor), so kernels never hard-code one.
+
+// A SetFlag / WaitFlag pair that follows at once, on an ID nobody holds.
+template <AscendC::HardEvent E>
+__aicore__ inline void Sync(AscendC::TPipe& pipe) {
+  const int32_t id = pipe.FetchEventID(E);
+  AscendC::SetFlag<E>(id);
+  AscendC::WaitFlag<E>(id);
+}
+
+// A flag set at the end of one iteration and waited before the next one reuses what it guards, on
+// an ID held from Init to Release (Release waits for the last one).
+template <AscendC::HardEvent E>
+class CarriedFlag {
+ public:
+  __aicore__ inline void Init(AscendC::TPipe& pipe) { id_ = pipe.AllocEventID<E>(); }
+  __aicore__ inline void Set() {
+    AscendC::SetFlag<E>(id_);
+    set_ = true;
+  }
+  __aicore__ inline void Wait() {
+    if (set_) AscendC::WaitFlag<E>(id_);
+    set_ = false;
+  }
+  __aicore__ inline void Release(AscendC::TPipe& pipe) {
+    Wait();
+    pipe.ReleaseEventID<E>(id_);
+  }
+
+ private:
+  int32_t id_ = 0;
+  bool set_ = false;
+};
+
 // DMA into the UB writes whole 32-byte blocks, so buffers are sized in them.
 __aicore__ inline uint32_t Align32(uint32_t bytes) { return (bytes + 31) / 32 * 32; }
 

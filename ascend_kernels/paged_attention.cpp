@@ -74,10 +74,10 @@ class PagedAttention {
     pipe_.InitBuffer(resultBuf_, 2 * kSlot * sizeof(float));
     pipe_.InitBuffer(reduceTmpBuf_, t_.reduce_tmp * sizeof(float));
     pipe_.InitBuffer(sumTmpBuf_, t_.sum_tmp);
+    outputWritten_.Init(pipe_);
   }
 
   __aicore__ inline void Process() {
-    bool outputInFlight = false;
     for (uint32_t i = AscendC::GetBlockIdx(); i < t_.items; i += AscendC::GetBlockNum()) {
       dflash_kernels::LoadTiling(item_, work_ + i * sizeof(PagedAttentionItem));  // 32-bit words
       seqStart_ = static_cast<uint32_t>(cuQueryLens_.GetValue(item_.seq));
@@ -87,13 +87,12 @@ class PagedAttention {
       // causal: the item's last position sees keys up to the context plus itself
       keyEnd_ = context_ + (t_.causal ? item_.q0 + item_.qn : newTokens);
       rows_ = item_.qn * item_.hn;
-      if (outputInFlight) AscendC::WaitFlag<HardEvent::MTE3_MTE2>(0);  // it read rawBuf_ / oBuf_
+      outputWritten_.Wait();  // it read rawBuf_ / oBuf_
       LoadQueries();
       Attend();
       WriteOutput();
-      outputInFlight = true;
     }
-    if (outputInFlight) AscendC::WaitFlag<HardEvent::MTE3_MTE2>(0);
+    outputWritten_.Release(pipe_);
   }
 
  private:
@@ -116,8 +115,7 @@ class PagedAttention {
     AscendC::DataCopyPadExtParams<T> zeroPad{true, 0, static_cast<uint8_t>(pad_ - t_.head_dim), 0};
     for (uint32_t p = 0; p < item_.qn; ++p)
       AscendC::DataCopyPad(dst[p * item_.hn * pad_], query_[HeadOffset(p)], heads, zeroPad);
-    AscendC::SetFlag<HardEvent::MTE2_V>(0);
-    AscendC::WaitFlag<HardEvent::MTE2_V>(0);
+    dflash_kernels::Sync<HardEvent::MTE2_V>(pipe_);
     if constexpr (!kFloat) {
       AscendC::Cast(qBuf_.Get<float>(), dst, AscendC::RoundMode::CAST_NONE, rows_ * pad_);
     }
@@ -227,22 +225,18 @@ class PagedAttention {
     AscendC::Sum(s, prod, sumTmpBuf_.Get<uint8_t>(), AscendC::SumParams{n, pad_, d});
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Muls(s, s, t_.scale, n);
-    AscendC::SetFlag<HardEvent::V_S>(0);
-    AscendC::WaitFlag<HardEvent::V_S>(0);
+    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
     s.SetValue(n, max_[r]);  // lane n: exp(m - m') comes out of the same Exp as the p_j
-    AscendC::SetFlag<HardEvent::S_V>(0);
-    AscendC::WaitFlag<HardEvent::S_V>(0);
+    dflash_kernels::Sync<HardEvent::S_V>(pipe_);
     AscendC::ReduceMax(result, s, reduceTmp, n + 1);
-    AscendC::SetFlag<HardEvent::V_S>(0);
-    AscendC::WaitFlag<HardEvent::V_S>(0);
+    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
     const float newMax = result.GetValue(0);
     AscendC::Adds(s, s, -newMax, n + 1);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Exp(s, s, n + 1);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::ReduceSum(result[kSlot], s, reduceTmp, n);
-    AscendC::SetFlag<HardEvent::V_S>(0);
-    AscendC::WaitFlag<HardEvent::V_S>(0);
+    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
     const float rescale = s.GetValue(n);
     sum_[r] = sum_[r] * rescale + result.GetValue(kSlot);
     max_[r] = newMax;
@@ -273,13 +267,12 @@ class PagedAttention {
       src = rawBuf_.Get<T>();
       AscendC::Cast(src, o, AscendC::RoundMode::CAST_RINT, rows_ * pad_);
     }
-    AscendC::SetFlag<HardEvent::V_MTE3>(0);
-    AscendC::WaitFlag<HardEvent::V_MTE3>(0);
+    dflash_kernels::Sync<HardEvent::V_MTE3>(pipe_);
     AscendC::DataCopyExtParams heads{static_cast<uint16_t>(item_.hn),
                                      static_cast<uint32_t>(t_.head_dim * sizeof(T)), 0, 0, 0};
     for (uint32_t p = 0; p < item_.qn; ++p)
       AscendC::DataCopyPad(out_[HeadOffset(p)], src[p * item_.hn * pad_], heads);
-    AscendC::SetFlag<HardEvent::MTE3_MTE2>(0);
+    outputWritten_.Set();
   }
 
   PagedAttentionTiling t_;
@@ -289,8 +282,12 @@ class PagedAttention {
   float max_[kPagedAttentionMaxRows], sum_[kPagedAttentionMaxRows];
   AscendC::TPipe pipe_;
   AscendC::TQue<TPosition::VECIN, kBufferNum> kQue_, vQue_;
-  AscendC::TBuf<TPosition::VECCALC> qBuf_, oBuf_, prodBuf_, rawBuf_, kBuf_, vBuf_, scoreBuf_,
-      resultBuf_, reduceTmpBuf_, sumTmpBuf_;
+  // DataCopyPad moves queries in and outputs out: VECIN / VECOUT buffers on A2.
+  AscendC::TBuf<TPosition::VECIN> qBuf_, rawBuf_;
+  AscendC::TBuf<TPosition::VECOUT> oBuf_;
+  AscendC::TBuf<TPosition::VECCALC> prodBuf_, kBuf_, vBuf_, scoreBuf_, resultBuf_, reduceTmpBuf_,
+      sumTmpBuf_;
+  dflash_kernels::CarriedFlag<HardEvent::MTE3_MTE2> outputWritten_;
   AscendC::GlobalTensor<T> query_, key_, value_, keyCache_, valueCache_, out_;
   AscendC::GlobalTensor<int32_t> blockTable_, contextLens_, cuQueryLens_;
 };

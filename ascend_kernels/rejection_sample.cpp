@@ -56,18 +56,17 @@ class RejectionSampler {
     pipe_.InitBuffer(scalarBuf_, 3 * kSlot * sizeof(float));
     pipe_.InitBuffer(rowBuf_, dflash_kernels::Align32((t_.drafts + 1) * sizeof(int64_t)));
     pipe_.InitBuffer(countBuf_, dflash_kernels::Align32(sizeof(int64_t)));
+    rowWritten_.Init(pipe_);
     BuildIndexRamp();
   }
 
   __aicore__ inline void Process() {
-    bool outputInFlight = false;
     for (uint32_t b = AscendC::GetBlockIdx(); b < t_.batch; b += AscendC::GetBlockNum()) {
       uint32_t accepted = 0;
       const uint32_t last = isGreedy_.GetValue(b) ? Greedy(b, accepted) : Sample(b, accepted);
-      WriteRow(b, accepted, last, outputInFlight);
-      outputInFlight = true;
+      WriteRow(b, accepted, last);
     }
-    if (outputInFlight) AscendC::WaitFlag<HardEvent::MTE3_S>(0);
+    rowWritten_.Release(pipe_);
   }
 
  private:
@@ -78,8 +77,7 @@ class RejectionSampler {
   __aicore__ inline void BuildIndexRamp() {
     LocalTensor<float> ramp = rampBuf_.Get<float>();
     for (uint32_t i = 0; i < 8; ++i) ramp.SetValue(i, static_cast<float>(i));
-    AscendC::SetFlag<HardEvent::S_V>(0);
-    AscendC::WaitFlag<HardEvent::S_V>(0);
+    dflash_kernels::Sync<HardEvent::S_V>(pipe_);
     for (uint32_t have = 8; have < t_.tile; have *= 2) {
       const uint32_t n = have < t_.tile - have ? have : t_.tile - have;
       AscendC::Adds(ramp[have], ramp, static_cast<float>(have), n);
@@ -155,11 +153,9 @@ class RejectionSampler {
       } else if (weights == Weights::kResidualOneHot) {
         AscendC::Muls(work, p, 1.0f, n);  // exact copy
         if (draft >= start && draft < start + n) {
-          AscendC::SetFlag<HardEvent::V_S>(0);
-          AscendC::WaitFlag<HardEvent::V_S>(0);
+          dflash_kernels::Sync<HardEvent::V_S>(pipe_);
           work.SetValue(draft - start, 0.0f);
-          AscendC::SetFlag<HardEvent::S_V>(0);
-          AscendC::WaitFlag<HardEvent::S_V>(0);
+          dflash_kernels::Sync<HardEvent::S_V>(pipe_);
         } else {
           AscendC::PipeBarrier<PIPE_V>();
         }
@@ -199,8 +195,7 @@ class RejectionSampler {
     LocalTensor<float> tmp = tmpBuf_.Get<float>();
     LocalTensor<float> cand = candBuf_.Get<float>();
     AscendC::ReduceMax(scalars, w, tmp, n);
-    AscendC::SetFlag<HardEvent::V_S>(0);
-    AscendC::WaitFlag<HardEvent::V_S>(0);
+    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
     const float tileMax = scalars.GetValue(0);
     if (residual) {
       const float r = scalars.GetValue(2 * kSlot);
@@ -218,16 +213,14 @@ class RejectionSampler {
                     AscendC::SELMODE::VSEL_TENSOR_SCALAR_MODE, n);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::ReduceMin(scalars[kSlot], cand, tmp, n);
-    AscendC::SetFlag<HardEvent::V_S>(0);
-    AscendC::WaitFlag<HardEvent::V_S>(0);
+    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
     best = tileMax;
     result.index = start + static_cast<uint32_t>(scalars.GetValue(kSlot));
   }
 
   // out_ids[b] = accepted drafts, the last token, then -1; num_accepted[b] = accepted.
-  __aicore__ inline void WriteRow(uint32_t b, uint32_t accepted, uint32_t last,
-                                  bool previousInFlight) {
-    if (previousInFlight) AscendC::WaitFlag<HardEvent::MTE3_S>(0);  // rows are reused
+  __aicore__ inline void WriteRow(uint32_t b, uint32_t accepted, uint32_t last) {
+    rowWritten_.Wait();  // rows are reused
     LocalTensor<int64_t> row = rowBuf_.Get<int64_t>();
     LocalTensor<int64_t> count = countBuf_.Get<int64_t>();
     for (uint32_t i = 0; i <= t_.drafts; ++i) {
@@ -237,12 +230,11 @@ class RejectionSampler {
       row.SetValue(i, token);
     }
     count.SetValue(0, accepted);
-    AscendC::SetFlag<HardEvent::S_MTE3>(0);
-    AscendC::WaitFlag<HardEvent::S_MTE3>(0);
+    dflash_kernels::Sync<HardEvent::S_MTE3>(pipe_);
     dflash_kernels::CopyOut(outIds_[static_cast<uint64_t>(b) * (t_.drafts + 1)], row,
                             t_.drafts + 1);
     dflash_kernels::CopyOut(numAccepted_[b], count, 1);
-    AscendC::SetFlag<HardEvent::MTE3_S>(0);
+    rowWritten_.Set();
   }
 
   RejectionSampleTiling t_;
@@ -250,6 +242,7 @@ class RejectionSampler {
   AscendC::TQue<TPosition::VECIN, kBufferNum> pQue_, eQue_, qQue_;
   AscendC::TBuf<TPosition::VECCALC> workBuf_, rampBuf_, candBuf_, maskBuf_, tmpBuf_, scalarBuf_;
   AscendC::TBuf<TPosition::VECOUT> rowBuf_, countBuf_;
+  dflash_kernels::CarriedFlag<HardEvent::MTE3_S> rowWritten_;
   AscendC::GlobalTensor<int64_t> draftIds_, outIds_, numAccepted_;
   AscendC::GlobalTensor<float> targetProbs_, draftProbs_, uniform_, exponential_;
   AscendC::GlobalTensor<uint8_t> isGreedy_;

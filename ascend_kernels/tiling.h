@@ -11,6 +11,9 @@
 namespace dflash::ascend {
 
 constexpr uint64_t kUbBytes = 192 * 1024;  // unified buffer of one 910B vector core
+// Select in tensor-scalar mode stores its scalar in the UB's last 8 KiB: kernels that use it plan
+// their buffers below this.
+constexpr uint64_t kSelectUbBytes = 184 * 1024;
 
 inline uint64_t align32(uint64_t bytes) { return (bytes + 31) / 32 * 32; }
 
@@ -31,12 +34,14 @@ inline uint64_t rejection_sample_ub_bytes(const RejectionSampleTiling& t) {
 }
 
 // The largest vocabulary tile (a multiple of 64 floats, so Compare sees whole 256-byte repeats;
-// at most `max_tile` when non-zero) whose buffers fit in `ub_bytes`. tile == 0: nothing fits.
+// at most `max_tile` when non-zero) whose buffers fit in `ub_bytes`, and below the UB Select
+// reserves (the kernel's argmax uses it). tile == 0: nothing fits.
 inline RejectionSampleTiling rejection_sample_tiling(uint32_t batch, uint32_t drafts,
                                                      uint32_t vocab, bool dense,
                                                      uint64_t ub_bytes = kUbBytes,
                                                      uint32_t max_tile = 0) {
   RejectionSampleTiling t{batch, drafts, vocab, dense ? 1u : 0u, 0, 0};
+  ub_bytes = std::min(ub_bytes, kSelectUbBytes);
   uint32_t cap = (vocab + 63) / 64 * 64;
   if (max_tile) cap = std::min(cap, std::max(64u, max_tile / 64 * 64));
   for (uint32_t tile = cap; tile >= 64; tile -= 64) {

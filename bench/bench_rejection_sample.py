@@ -7,7 +7,13 @@ must read (every probability is validated, so all of target_probs, draft_probs a
 per second against a plain copy of the same number of bytes. Goal: >= 5x the reference at batch
 16 and >= 50% of copy bandwidth.
 
-    python bench/bench_rejection_sample.py [--threads N]   # from the repository root
+Then, at batch 16, K 15, dense fp32, every row sampled: the kernel with and without `validate`
+(without, each sequence reads only p[draft] and q[draft] up to the first rejection, then the
+residual's p, q and noise rows, or the bonus row) against reading 3 vocabulary rows per sequence
+(the max of a contiguous [3 * 16, V] float32 tensor), all in the same run. Goal: without
+validation <= 2x the 3-row read.
+
+    python bench/bench_rejection_sample.py [--threads N] [--reads-only]   # from the repository root
 """
 
 from __future__ import annotations
@@ -82,18 +88,45 @@ def case(bs: int, dense: bool) -> dict:
     }
 
 
+def reads() -> dict:
+    bs = 16
+    args = rejection_sample_inputs(bs=bs, k=K, v=V, dense=True, greedy_every=0, draft_noise=0.3)
+    accepted = reference.rejection_sample(**args)[1]
+    for validate in (True, False):
+        got = torch.ops.dflash.rejection_sample(**args, validate=validate)
+        assert torch.equal(got[1], accepted)
+    three_rows = torch.rand(3 * bs, V)
+    validated_s = timeit(lambda: torch.ops.dflash.rejection_sample(**args))
+    lazy_s = timeit(lambda: torch.ops.dflash.rejection_sample(**args, validate=False))
+    rows_s = timeit(lambda: three_rows.amax())
+    return {
+        "batch": bs, "K": K, "V": V, "proposal": "dense, all sampled",
+        "mean accepted": float(accepted.float().mean()),
+        "validate ms": validated_s * 1e3, "no-validate ms": lazy_s * 1e3,
+        "3-row read ms": rows_s * 1e3, "validate / 3 rows": validated_s / rows_s,
+        "no-validate / 3 rows": lazy_s / rows_s,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    threads = parser.parse_args().threads
+    parser.add_argument("--reads-only", action="store_true",
+                        help="only the validate / no-validate / 3-row comparison")
+    cli = parser.parse_args()
+    threads = cli.threads
     if threads:
         torch.set_num_threads(threads)
     impl = dflash.ops.implementation("rejection_sample")
     print(f"rejection_sample CPU implementation: {impl}, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.1f}")
-    rows = [case(bs, dense) for bs in (1, 16, 64) for dense in (True, False)]
-    write("rejection_sample" + (f"_{threads}thread" if threads else ""), rows, list(rows[0]))
-    print("copy GB/s counts read + write; kernel GB/s counts the bytes the op reads")
+    suffix = f"_{threads}thread" if threads else ""
+    if not cli.reads_only:
+        rows = [case(bs, dense) for bs in (1, 16, 64) for dense in (True, False)]
+        write("rejection_sample" + suffix, rows, list(rows[0]))
+        print("copy GB/s counts read + write; kernel GB/s counts the bytes the op reads")
+    row = reads()
+    write("rejection_sample_reads" + suffix, [row], list(row))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ HERE = Path(__file__).parent
 SCRIPTS = ["bench_context_kv.py", "bench_paged_attention.py", "bench_rejection_sample.py",
            "bench_panel_linear.py"]
 TABLES = ["context_kv", "paged_attention", "paged_attention_target", "rejection_sample",
-          "panel_linear"]
+          "rejection_sample_reads", "panel_linear"]
 
 
 def main() -> int:

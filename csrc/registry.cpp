@@ -17,7 +17,8 @@ TORCH_LIBRARY(dflash, m) {
       "float scale, bool causal) -> Tensor");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
-      "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> "
+      "(Tensor, Tensor)");
   // docs/design.md section 3.4: the decoder layer's small ops, each one call instead of several ATen
   // calls (csrc/cpu/layer_ops.cpp; the PyTorch reference serves other devices).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -96,7 +96,7 @@ def _paged_attention_fake(query, key, value, key_cache, value_cache, block_table
 
 @torch.library.register_fake("dflash::rejection_sample")
 def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                           exponential):
+                           exponential, validate=True):
     checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                  exponential)
     bs, k = draft_token_ids.shape

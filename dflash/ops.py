@@ -81,7 +81,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                      target_probs: torch.Tensor, is_greedy: torch.Tensor, uniform: torch.Tensor,
-                     exponential: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     exponential: torch.Tensor, validate: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest valid prefix of each draft and emit one correction or bonus token.
 
     Greedy rows accept while draft[i] == argmax target_probs[i]. Sampling rows accept x_i while
@@ -98,12 +99,17 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
         is_greedy: [Bs] bool.
         uniform: [Bs, K] float32 in [0, 1), acceptance coins.
         exponential: [Bs, V] float32 Exp(1) noise for the one resampled token per row.
+        validate: True checks every token id, probability and noise value first (a bad one
+            raises a ValueError naming it); False, for a caller that built them itself (the
+            engine), checks only the ids, the coins and the values sampling reads (p and q at the
+            drafts up to the first rejection, then the rows that token is drawn from), with the
+            same messages. Shapes, dtypes and devices are always checked.
 
     Returns:
         output_token_ids [Bs, K + 1] int64 (emitted tokens, then -1) and num_accepted [Bs] int64.
     """
     return torch.ops.dflash.rejection_sample(draft_token_ids, draft_probs, target_probs,
-                                             is_greedy, uniform, exponential)
+                                             is_greedy, uniform, exponential, validate)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

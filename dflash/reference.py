@@ -111,10 +111,12 @@ def _noisy_argmax(weights: torch.Tensor, exponential: torch.Tensor) -> int:
 
 
 def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                     exponential) -> tuple[torch.Tensor, torch.Tensor]:
+                     exponential, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative-decoding acceptance for a batch of drafts (docs/design.md 3.3).
 
-    Returns (output_token_ids [Bs, K+1] int64 padded with -1, num_accepted [Bs] int64).
+    Returns (output_token_ids [Bs, K+1] int64 padded with -1, num_accepted [Bs] int64). The
+    specification checks every value whatever `validate` says (kernels may check only the values
+    they read when it is False).
     """
     checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                  exponential)

@@ -31,22 +31,26 @@ void CopyOut(const GlobalTensor<float>& dst, const LocalTensor<float>& src, uint
 void dma_granularity_bad(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> buf;
+  TBuf<TPosition::VECIN> buf;
   pipe.InitBuffer(buf, 64 * sizeof(float));
   DataCopy(buf.Get<float>(), gm.in, 9);  // 36 bytes
 }
 
-void dma_granularity_ok(GM_ADDR i, GM_ADDR o) {  // out[0:9] = in[0:9], nothing else written
+// out[0:9] = in[0:9], nothing else written, through a TBuf at position Pos.
+template <TPosition Pos>
+void PadRoundTrip(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> buf;
+  TBuf<Pos> buf;
   pipe.InitBuffer(buf, 64 * sizeof(float));
-  DataCopyPad(buf.Get<float>(), gm.in, DataCopyExtParams{1, 9 * sizeof(float), 0, 0, 0},
+  DataCopyPad(buf.template Get<float>(), gm.in, DataCopyExtParams{1, 9 * sizeof(float), 0, 0, 0},
               DataCopyPadExtParams<float>{false, 0, 0, 0});
   SetFlag<HardEvent::MTE2_MTE3>(0);
   WaitFlag<HardEvent::MTE2_MTE3>(0);
-  CopyOut(gm.out, buf.Get<float>(), 9);
+  CopyOut(gm.out, buf.template Get<float>(), 9);
 }
+
+void dma_granularity_ok(GM_ADDR i, GM_ADDR o) { PadRoundTrip<TPosition::VECIN>(i, o); }
 
 // ---- alignment: UB operands start on 32-byte boundaries
 // --------------------------------------------
@@ -54,7 +58,7 @@ void dma_granularity_ok(GM_ADDR i, GM_ADDR o) {  // out[0:9] = in[0:9], nothing 
 void alignment_bad(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> buf;
+  TBuf<TPosition::VECIN> buf;
   pipe.InitBuffer(buf, 64 * sizeof(float));
   Duplicate(buf.Get<float>()[3], 1.0f, 8);  // byte 12
 }
@@ -62,7 +66,7 @@ void alignment_bad(GM_ADDR i, GM_ADDR o) {
 void alignment_ok(GM_ADDR i, GM_ADDR o) {  // out[0:8] = 1
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> buf;
+  TBuf<TPosition::VECIN> buf;
   pipe.InitBuffer(buf, 64 * sizeof(float));
   Duplicate(buf.Get<float>()[8], 1.0f, 8);  // byte 32
   SetFlag<HardEvent::V_MTE3>(0);
@@ -75,7 +79,7 @@ void alignment_ok(GM_ADDR i, GM_ADDR o) {  // out[0:8] = 1
 
 void ub_bounds_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
-  TBuf<TPosition::VECCALC> buf;
+  TBuf<TPosition::VECIN> buf;
   pipe.InitBuffer(buf, 64 * sizeof(float));
   Duplicate(buf.Get<float>(), 0.0f, 128);
 }
@@ -85,7 +89,7 @@ void ub_bounds_bad(GM_ADDR, GM_ADDR) {
 
 void ub_budget_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
-  TBuf<TPosition::VECCALC> a, b, c;
+  TBuf<TPosition::VECIN> a, b, c;
   pipe.InitBuffer(a, 64 * 1024);
   pipe.InitBuffer(b, 64 * 1024);
   pipe.InitBuffer(c, 64 * 1024 + 32);
@@ -94,7 +98,7 @@ void ub_budget_bad(GM_ADDR, GM_ADDR) {
 void ub_budget_ok(GM_ADDR i, GM_ADDR o) {  // out[0:8] = 3, written from the last UB bytes
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> a, b, c;
+  TBuf<TPosition::VECIN> a, b, c;
   pipe.InitBuffer(a, 64 * 1024);
   pipe.InitBuffer(b, 64 * 1024);
   pipe.InitBuffer(c, 64 * 1024);
@@ -184,7 +188,7 @@ void queue_deque_bad(GM_ADDR, GM_ADDR) {
 
 void bf16_arith_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
-  TBuf<TPosition::VECCALC> buf;
+  TBuf<TPosition::VECIN> buf;
   pipe.InitBuffer(buf, 64 * sizeof(bfloat16_t));
   LocalTensor<bfloat16_t> x = buf.Get<bfloat16_t>();
   Duplicate(x, bfloat16_t(1.0f), 64);
@@ -195,7 +199,7 @@ void bf16_arith_bad(GM_ADDR, GM_ADDR) {
 void bf16_arith_ok(GM_ADDR i, GM_ADDR o) {  // out[0:64] = float(bf16(2 * float(bf16(in))))
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, h;
+  TBuf<TPosition::VECIN> f, h;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(h, 64 * sizeof(bfloat16_t));
   LocalTensor<float> x = f.Get<float>();
@@ -221,7 +225,7 @@ void bf16_arith_ok(GM_ADDR i, GM_ADDR o) {  // out[0:64] = float(bf16(2 * float(
 void cast_roundtrip_ok(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, h;
+  TBuf<TPosition::VECIN> f, h;
   pipe.InitBuffer(f, kFloats * sizeof(float));
   pipe.InitBuffer(h, 128 * sizeof(half));
   LocalTensor<float> x = f.Get<float>();
@@ -242,20 +246,28 @@ void cast_roundtrip_ok(GM_ADDR i, GM_ADDR o) {
   DataCopy(gm.out, x, kFloats);
 }
 
-// out[0] = max(in[0:200]), out[1] = the bits of the index of its first occurrence (uint32).
-void reduce_max_index_ok(GM_ADDR i, GM_ADDR o) {
+// Loads in[0:200] into f, lets `reduce` write results into w (64 floats), copies out[0:n] = w[0:n].
+template <typename Reduce>
+void Reduction(GM_ADDR i, GM_ADDR o, uint32_t n, Reduce reduce) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, w;
+  TBuf<TPosition::VECIN> f, w;
   pipe.InitBuffer(f, kFloats * sizeof(float));
   pipe.InitBuffer(w, 64 * sizeof(float));
   DataCopy(f.Get<float>(), gm.in, 200);
   SetFlag<HardEvent::MTE2_V>(0);
   WaitFlag<HardEvent::MTE2_V>(0);
-  ReduceMax(w.Get<float>(), f.Get<float>(), w.Get<float>()[8], 200, true);
+  reduce(w.Get<float>(), f.Get<float>());
   SetFlag<HardEvent::V_MTE3>(0);
   WaitFlag<HardEvent::V_MTE3>(0);
-  CopyOut(gm.out, w.Get<float>(), 2);
+  CopyOut(gm.out, w.Get<float>(), n);
+}
+
+// out[0] = max(in[0:200]), out[1] = the bits of the index of its first occurrence (uint32).
+void reduce_max_index_ok(GM_ADDR i, GM_ADDR o) {
+  Reduction(i, o, 2, [](const LocalTensor<float>& w, const LocalTensor<float>& f) {
+    ReduceMax(w, f, w[8], 200, true);
+  });
 }
 
 // ---- sum: Sum reduces rows that are whole 32-byte blocks long
@@ -263,7 +275,7 @@ void reduce_max_index_ok(GM_ADDR i, GM_ADDR o) {
 
 void sum_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, w;
+  TBuf<TPosition::VECIN> f, w;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(w, 64 * sizeof(float));
   Duplicate(f.Get<float>(), 1.0f, 64);
@@ -276,7 +288,7 @@ void sum_bad(GM_ADDR, GM_ADDR) {
 void sum_ok(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, w;
+  TBuf<TPosition::VECIN> f, w;
   pipe.InitBuffer(f, 160 * sizeof(float));
   pipe.InitBuffer(w, 64 * sizeof(float));
   DataCopy(f.Get<float>(), gm.in, 160);
@@ -293,7 +305,7 @@ void sum_ok(GM_ADDR i, GM_ADDR o) {
 void elementwise_ok(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, g;
+  TBuf<TPosition::VECIN> f, g;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(g, kFloats * sizeof(float));
   LocalTensor<float> x = f.Get<float>(), y = x[32], r = g.Get<float>();
@@ -318,7 +330,7 @@ void elementwise_ok(GM_ADDR i, GM_ADDR o) {
 
 void compare_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, m;
+  TBuf<TPosition::VECIN> f, m;
   pipe.InitBuffer(f, 128 * sizeof(float));
   pipe.InitBuffer(m, 32);
   LocalTensor<float> x = f.Get<float>();
@@ -330,7 +342,7 @@ void compare_bad(GM_ADDR, GM_ADDR) {
 void compare_ok(GM_ADDR i, GM_ADDR o) {  // out[0:64] = in < in[64:128] ? in : -1
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, m;
+  TBuf<TPosition::VECIN> f, m;
   pipe.InitBuffer(f, 192 * sizeof(float));
   pipe.InitBuffer(m, 32);
   LocalTensor<float> x = f.Get<float>();
@@ -358,7 +370,7 @@ void Sum(const Gm& gm, const LocalTensor<float>& x, const LocalTensor<float>& wo
 void poison_fresh_bad(GM_ADDR i, GM_ADDR o) {  // out[0] = sum of 8 loaded and 56 never written
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, w;
+  TBuf<TPosition::VECIN> f, w;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(w, 64 * sizeof(float));
   DataCopy(f.Get<float>(), gm.in, 8);
@@ -370,7 +382,7 @@ void poison_fresh_bad(GM_ADDR i, GM_ADDR o) {  // out[0] = sum of 8 loaded and 5
 void poison_fresh_ok(GM_ADDR i, GM_ADDR o) {  // out[0] = sum(in[0:8])
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, w;
+  TBuf<TPosition::VECIN> f, w;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(w, 64 * sizeof(float));
   Duplicate(f.Get<float>(), 0.0f, 64);
@@ -385,7 +397,7 @@ void poison_fresh_ok(GM_ADDR i, GM_ADDR o) {  // out[0] = sum(in[0:8])
 void PadSum(GM_ADDR i, GM_ADDR o, bool isPad) {  // out[0] = sum of 5 loaded + 3 padding lanes
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, w;
+  TBuf<TPosition::VECIN> f, w;
   pipe.InitBuffer(f, 8 * sizeof(float));
   pipe.InitBuffer(w, 64 * sizeof(float));
   DataCopyPad(f.Get<float>(), gm.in, DataCopyExtParams{1, 5 * sizeof(float), 0, 0, 0},
@@ -404,7 +416,7 @@ void poison_pad_ok(GM_ADDR i, GM_ADDR o) { PadSum(i, o, true); }
 void OverlapAdd(GM_ADDR i, GM_ADDR o, uint32_t dst) {  // out[0:64] = in[0:64] + in[64:128]
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f;
+  TBuf<TPosition::VECIN> f;
   pipe.InitBuffer(f, 192 * sizeof(float));
   LocalTensor<float> x = f.Get<float>();
   DataCopy(x, gm.in, 128);
@@ -425,7 +437,7 @@ void overlap_ok(GM_ADDR i, GM_ADDR o) { OverlapAdd(i, o, 0); }
 void MaxOfInput(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0] = max(in[0:64]) via a scalar read
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, w, r;
+  TBuf<TPosition::VECIN> f, w, r;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(w, 64 * sizeof(float));
   pipe.InitBuffer(r, 8 * sizeof(float));
@@ -451,7 +463,7 @@ void ScaleShift(GM_ADDR i, GM_ADDR o, bool loadFlag, bool barrier,
                 bool storeFlag) {  // out = 2 in + 1
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f;
+  TBuf<TPosition::VECIN> f;
   pipe.InitBuffer(f, 64 * sizeof(float));
   LocalTensor<float> x = f.Get<float>();
   DataCopy(x, gm.in, 64);
@@ -478,7 +490,7 @@ void sync_ok(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, true, true, true); }
 void Reload(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0:64] = 2 in[0:64] + in[64:128]
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, g;
+  TBuf<TPosition::VECIN> f, g;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(g, 64 * sizeof(float));
   LocalTensor<float> x = f.Get<float>(), y = g.Get<float>();
@@ -552,7 +564,7 @@ void gm_bounds_bad(GM_ADDR i, GM_ADDR) {
   GlobalTensor<float> in;
   in.SetGlobalBuffer((__gm__ float*)i);  // no size: only the launcher's tensor bounds apply
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f;
+  TBuf<TPosition::VECIN> f;
   pipe.InitBuffer(f, 512 * sizeof(float));
   DataCopy(f.Get<float>(), in, 512);
 }
@@ -561,7 +573,7 @@ void gm_readonly_bad(GM_ADDR i, GM_ADDR) {
   GlobalTensor<float> in;
   in.SetGlobalBuffer((__gm__ float*)i);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f;
+  TBuf<TPosition::VECIN> f;
   pipe.InitBuffer(f, 8 * sizeof(float));
   Duplicate(f.Get<float>(), 0.0f, 8);
   SetFlag<HardEvent::V_MTE3>(0);
@@ -574,7 +586,7 @@ void gm_readonly_bad(GM_ADDR i, GM_ADDR) {
 void dma_params_bad(GM_ADDR i, GM_ADDR o) {
   Gm gm(i, o);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f;
+  TBuf<TPosition::VECIN> f;
   pipe.InitBuffer(f, 64 * sizeof(float));
   DataCopyPad(f.Get<float>(), gm.in, DataCopyExtParams{1, 4 * sizeof(float), 0, 0, 0},
               DataCopyPadExtParams<float>{true, 0, 9, 0.0f});  // 36 bytes of padding
@@ -582,7 +594,7 @@ void dma_params_bad(GM_ADDR i, GM_ADDR o) {
 
 void cast_mode_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, h;
+  TBuf<TPosition::VECIN> f, h;
   pipe.InitBuffer(f, 64 * sizeof(float));
   pipe.InitBuffer(h, 64 * sizeof(bfloat16_t));
   Duplicate(f.Get<float>(), 1.5f, 64);
@@ -592,7 +604,7 @@ void cast_mode_bad(GM_ADDR, GM_ADDR) {
 
 void select_mode_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f, m;
+  TBuf<TPosition::VECIN> f, m;
   pipe.InitBuffer(f, 128 * sizeof(float));
   pipe.InitBuffer(m, 32);
   Duplicate(f.Get<float>(), 1.0f, 64);
@@ -611,6 +623,114 @@ void queue_free_bad(GM_ADDR, GM_ADDR) {
   b.FreeTensor(t);
 }
 
+// ---- event: queue flags and kernel flags share one pool of IDs per pipe pair
+// ---------------------
+
+// A VECIN queue's FreeTensor holds V_MTE2 ID 0 until the buffer is allocated again; then either a
+// hand-coded SetFlag<V_MTE2>(0) lands on the set flag, or a hand-coded WaitFlag<V_MTE2>(0) takes
+// it and the AllocTensor waits on a flag nothing sets again.
+void QueueThenHandFlag(GM_ADDR i, GM_ADDR o, int mode) {
+  Gm gm(i, o);
+  TPipe pipe;
+  TQue<TPosition::VECIN, 1> que;
+  pipe.InitBuffer(que, 1, 64 * sizeof(float));
+  LocalTensor<float> t = que.AllocTensor<float>();
+  DataCopy(t, gm.in, 64);
+  que.EnQue(t);
+  t = que.DeQue<float>();
+  Adds(t, t, 1.0f, 64);
+  que.FreeTensor(t);
+  if (mode == 0) {  // collision: the ID is hard-coded
+    SetFlag<HardEvent::V_MTE2>(0);
+    WaitFlag<HardEvent::V_MTE2>(0);
+  } else if (mode == 1) {  // hang: a hand-coded wait consumes the queue's flag
+    WaitFlag<HardEvent::V_MTE2>(0);
+  } else {  // legal: the ID comes from the pool
+    TEventID id = pipe.FetchEventID(HardEvent::V_MTE2);
+    SetFlag<HardEvent::V_MTE2>(id);
+    WaitFlag<HardEvent::V_MTE2>(id);
+  }
+  t = que.AllocTensor<float>();
+  DataCopy(t, gm.in[64], 64);
+  que.EnQue(t);
+  t = que.DeQue<float>();
+  Adds(t, t, 2.0f, 64);
+  TEventID out = pipe.AllocEventID<HardEvent::V_MTE3>();
+  SetFlag<HardEvent::V_MTE3>(out);
+  WaitFlag<HardEvent::V_MTE3>(out);
+  pipe.ReleaseEventID<HardEvent::V_MTE3>(out);
+  CopyOut(gm.out, t, 64);  // out[0:64] = in[64:128] + 2
+  que.FreeTensor(t);
+}
+
+void event_queue_collision_bad(GM_ADDR i, GM_ADDR o) { QueueThenHandFlag(i, o, 0); }
+void event_queue_hang_bad(GM_ADDR i, GM_ADDR o) { QueueThenHandFlag(i, o, 1); }
+void event_queue_ok(GM_ADDR i, GM_ADDR o) { QueueThenHandFlag(i, o, 2); }
+
+// A queue's FreeTensor flag still held when the pipe ends is waited there; a kernel that took it
+// by hand leaves that wait unsatisfiable.
+void event_pipe_end_bad(GM_ADDR i, GM_ADDR o) {
+  Gm gm(i, o);
+  TPipe pipe;
+  TQue<TPosition::VECOUT, 1> que;
+  pipe.InitBuffer(que, 1, 64 * sizeof(float));
+  LocalTensor<float> t = que.AllocTensor<float>();
+  Duplicate(t, 1.0f, 64);
+  que.EnQue(t);
+  t = que.DeQue<float>();
+  CopyOut(gm.out, t, 64);
+  que.FreeTensor(t);
+  WaitFlag<HardEvent::MTE3_V>(0);
+}
+
+void event_pool_bad(GM_ADDR, GM_ADDR) {
+  TPipe pipe;
+  for (int n = 0; n < 9; ++n) pipe.AllocEventID<HardEvent::V_S>();
+}
+
+// ---- select-reserved: tensor-scalar Select writes its scalar into the UB's last 8 KiB
+// -------------
+
+void SelectWithBudget(GM_ADDR i, GM_ADDR o, uint32_t bytes) {  // out[0:64] = in < 0 ? in : 5
+  Gm gm(i, o);
+  TPipe pipe;
+  TBuf<TPosition::VECIN> f, m, rest;
+  pipe.InitBuffer(f, 128 * sizeof(float));
+  pipe.InitBuffer(m, 32);
+  pipe.InitBuffer(rest, bytes - 128 * sizeof(float) - 32);
+  LocalTensor<float> x = f.Get<float>();
+  DataCopy(x, gm.in, 64);
+  Duplicate(x[64], 0.0f, 64);
+  SetFlag<HardEvent::MTE2_V>(0);
+  WaitFlag<HardEvent::MTE2_V>(0);
+  PipeBarrier<PIPE_V>();
+  Compare(m.Get<uint8_t>(), x, x[64], CMPMODE::LT, 64);
+  PipeBarrier<PIPE_V>();
+  Select(x[64], m.Get<uint8_t>(), x, 5.0f, SELMODE::VSEL_TENSOR_SCALAR_MODE, 64);
+  SetFlag<HardEvent::V_MTE3>(0);
+  WaitFlag<HardEvent::V_MTE3>(0);
+  CopyOut(gm.out, x[64], 64);
+}
+
+void select_reserved_bad(GM_ADDR i, GM_ADDR o) { SelectWithBudget(i, o, 184 * 1024 + 32); }
+void select_reserved_ok(GM_ADDR i, GM_ADDR o) { SelectWithBudget(i, o, 184 * 1024); }
+
+// ---- dma-position: DataCopyPad on A2 moves GM <-> VECIN / VECOUT only
+// -----------------------------
+
+void dma_position_bad(GM_ADDR i, GM_ADDR o) { PadRoundTrip<TPosition::VECCALC>(i, o); }
+
+// ---- reductions add in A2's tree order
+// ------------------------------------------------------------
+
+// out[0] = ReduceSum(in[0:200]), out[8:12] = Sum of the 4 rows in[0:160] as [4, 40] (first 37).
+void reduce_sum_tree_ok(GM_ADDR i, GM_ADDR o) {
+  Reduction(i, o, 12, [](const LocalTensor<float>& w, const LocalTensor<float>& f) {
+    ReduceSum(w, f, w[32], 200);
+    Sum(w[8], f, w.ReinterpretCast<uint8_t>()[192], SumParams{4, 40, 37});
+  });
+}
+
 // ---- block-race and launch order: blocks run in any order, so they must write disjoint GM
 // ---------
 
@@ -618,7 +738,7 @@ void BlockWrites(GM_ADDR o, uint32_t slot) {  // out[8 slot : 8 slot + 8] = (idx
   GlobalTensor<float> out;
   out.SetGlobalBuffer((__gm__ float*)o, kFloats);
   TPipe pipe;
-  TBuf<TPosition::VECCALC> f;
+  TBuf<TPosition::VECIN> f;
   pipe.InitBuffer(f, 8 * sizeof(float));
   LocalTensor<float> x = f.Get<float>();
   Duplicate(x, static_cast<float>(GetBlockNum()), 8);
@@ -687,6 +807,15 @@ const Entry kSnippets[] = {
     SNIPPET(cast_mode_bad, 1),
     SNIPPET(select_mode_bad, 1),
     SNIPPET(queue_free_bad, 1),
+    SNIPPET(event_queue_collision_bad, 1),
+    SNIPPET(event_queue_hang_bad, 1),
+    SNIPPET(event_queue_ok, 1),
+    SNIPPET(event_pipe_end_bad, 1),
+    SNIPPET(event_pool_bad, 1),
+    SNIPPET(select_reserved_bad, 1),
+    SNIPPET(select_reserved_ok, 1),
+    SNIPPET(dma_position_bad, 1),
+    SNIPPET(reduce_sum_tree_ok, 1),
     SNIPPET(block_race_bad, 4),
     SNIPPET(block_race_ok, 16),
 };

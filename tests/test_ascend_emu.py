@@ -49,6 +49,17 @@ def run(name, inp=None):
     ("select", "select_mode_bad", "needs VSEL_TENSOR_SCALAR_MODE"),
     ("queue", "queue_free_bad", "FreeTensor of a tensor this queue does not hold"),
     ("sum", "sum_bad", "rows of inner = 6 elements are not a multiple of 32 bytes"),
+    ("event", "event_queue_collision_bad",
+     r"SetFlag<V_MTE2>\(0\) while the previous one was never waited \(ID 0 is held by a queue's "
+     r"FreeTensor\)"),
+    ("event", "event_queue_hang_bad",
+     r"AllocTensor .*WaitFlag<V_MTE2>\(0\) without a matching SetFlag .*would wait forever"),
+    ("event", "event_pipe_end_bad",
+     r"the pipe's end .*WaitFlag<MTE3_V>\(0\) without a matching SetFlag"),
+    ("event", "event_pool_bad", "AllocEventID<V_S>: all 8 IDs are held"),
+    ("select-reserved", "select_reserved_bad",
+     "stores its scalar in the UB from byte 188416 .* reach byte 188448"),
+    ("dma-position", "dma_position_bad", "DataCopyPad GM->UB on a VECCALC buffer"),
 ])
 def test_violation_is_caught(rule, snippet, message):
     with pytest.raises(RuntimeError, match=rf"ascend-emu \[{rule}\] .*{message}"):
@@ -147,6 +158,54 @@ def test_legal_twins_compute_the_right_values():
     inp, out, _ = run("sync_queue_ok")
     assert torch.equal(out[:128], inp[:128] * 2 + 1)
     run("event_ok")
+
+
+def test_queue_and_kernel_flags_share_one_id_pool():
+    # The legal twin of the collision / hang snippets takes its ID from the pool (FetchEventID
+    # skips the ID the queue's FreeTensor holds) and computes the right values.
+    inp, out, _ = run("event_queue_ok")
+    assert torch.equal(out[:64], inp[64:128] + 2) and (out[64:] == SENTINEL).all()
+
+
+def test_select_may_use_the_ub_below_its_reserved_tail():
+    inp, out, _ = run("select_reserved_ok")
+    assert torch.equal(out[:64], torch.where(inp[:64] < 0, inp[:64], torch.tensor(5.0)))
+
+
+def tree_sum(x, lanes=64):
+    """A2's count-form order: adjacent pairs within each 64-float repeat (zeros past the end),
+    then the repeats' sums one after another."""
+    total = None
+    for start in range(0, len(x), lanes):
+        v = torch.zeros(lanes)
+        chunk = x[start:start + lanes]
+        v[:len(chunk)] = chunk
+        while len(v) > 1:
+            v = v[0::2] + v[1::2]
+        total = v[0] if total is None else total + v[0]
+    return total
+
+
+def sequential_sum(x):
+    total = torch.zeros((), dtype=torch.float32)
+    for value in x:
+        total = total + value
+    return total
+
+
+def test_reductions_add_in_the_hardware_tree_order():
+    # Values where the order of float additions shows: a kernel (or test) that expects the
+    # sequential sum gets a different answer from the emulation, as it would from an A2.
+    # 1 followed by values below half its ulp: added one by one they vanish, in a tree they add
+    # up first.
+    inp = torch.rand(256, generator=torch.Generator().manual_seed(5)) * 5e-8
+    inp[0::40] = 1.0
+    _, out, _ = run("reduce_sum_tree_ok", inp)
+    assert out[0] == tree_sum(inp[:200])
+    assert out[0] != sequential_sum(inp[:200])
+    rows = inp[:160].view(4, 40)[:, :37]
+    assert torch.equal(out[8:12], torch.stack([tree_sum(r) for r in rows]))
+    assert any(out[8 + i] != sequential_sum(r) for i, r in enumerate(rows))
 
 
 def test_blocks_run_once_each_in_shuffled_order():

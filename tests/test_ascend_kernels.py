@@ -30,9 +30,9 @@ def test_schemas_match_torch_ops_dflash(emu):
 # rejection_sample
 # ---------------------------------------------------------------------------------------------
 
-def assert_same_tokens(emu, args):
+def assert_same_tokens(emu, args, validate=True):
     expected = reference.rejection_sample(**args)
-    got = emu.rejection_sample(**args)
+    got = emu.rejection_sample(**args, validate=validate)
     assert torch.equal(got[0], expected[0]), (got[0], expected[0])
     assert torch.equal(got[1], expected[1])
     return expected[1]
@@ -59,7 +59,18 @@ def test_rejection_sample_any_tiling_and_block_count(emu, cores, max_tile):
     for dense in (True, False):
         for seed in range(4):
             args = rejection_sample_inputs(bs=5, k=5, v=1000, dense=dense, seed=seed)
-            assert_same_tokens(emu, args)
+            assert_same_tokens(emu, args, validate=seed % 2 == 0)  # False: no host value checks
+
+
+@pytest.mark.parametrize("dense, validated_copies", [(True, 5), (False, 4)])
+def test_rejection_sample_copies_to_the_host_only_to_validate(emu, dense, validated_copies):
+    # Validation reads the ids and coins and the verdicts of the probability and noise scans back
+    # to the host (each a wait on an NPU); validate=False launches with none.
+    args = rejection_sample_inputs(bs=4, k=3, v=500, dense=dense, seed=1)
+    for validate, copies in ((True, validated_copies), (False, 0)):
+        before = emu.host_copies()
+        assert_same_tokens(emu, args, validate=validate)
+        assert emu.host_copies() - before == copies
 
 
 def test_rejection_sample_ties_pick_the_first_index_across_tiles(emu):
@@ -83,6 +94,14 @@ def test_rejection_sample_zero_residual_falls_back_to_p(emu):
     zero = rejection_sample_inputs(bs=2, k=2, v=100, dense=False, greedy_every=0, seed=5)
     zero["target_probs"][0] = 0.0  # all-zero rows: every weight ties at 0, index 0 wins
     assert_same_tokens(emu, zero)
+
+
+@pytest.mark.parametrize("dense, v", [(False, 6700), (True, 5200)])
+def test_rejection_sample_tile_near_the_select_reserved_ub(emu, dense, v):
+    # One tile holds the whole vocabulary; planned against the full 192 KiB its buffers would
+    # reach into the last 8 KiB, where Select (tensor-scalar) stores its scalar.
+    for seed in range(2):
+        assert_same_tokens(emu, rejection_sample_inputs(bs=3, k=4, v=v, dense=dense, seed=seed))
 
 
 def test_rejection_sample_full_vocabulary(emu):
@@ -160,3 +179,10 @@ def test_context_kv_rejects_caches_without_contiguous_rows(emu):
     args["key_caches"][1] = args["key_caches"][1].transpose(2, 3).contiguous().transpose(2, 3)
     with pytest.raises(ValueError, match=r"key_caches\[1\] must have contiguous \[Hkv, D\] rows"):
         emu.context_kv(**args)
+
+
+def test_context_kv_copies_positions_and_slots_to_the_host(emu):
+    # Both are validated on the host in every call (one call per step writes every draft layer).
+    before = emu.host_copies()
+    check_context_kv(emu, context_kv_inputs())
+    assert emu.host_copies() - before == 2

@@ -144,3 +144,12 @@ def test_views_and_strided_inputs(emu):
 def test_no_query_rows(emu):
     args = paged_attention_inputs(context_lens=(5, 3), query_lens=(0, 0))
     assert emu.paged_attention(**args).shape == (0, 4, 8)
+
+
+def test_every_call_copies_its_index_tensors_to_the_host(emu):
+    # cu_query_lens, context_lens and the block table are validated and tiled on the host: three
+    # copies per call, in every layer of every step (the launchers have no plan / run split).
+    args = matrix_case(64, 2, 16, 16, True, torch.float32)
+    before = emu.host_copies()
+    check(emu, args)
+    assert emu.host_copies() - before == 3

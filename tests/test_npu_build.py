@@ -88,6 +88,19 @@ def test_setup_configures_the_npu_project_against_a_stub_cann(tmp_path):
     assert f"DFLASH_NPU_OUTPUT_DIR:PATH={ROOT / 'dflash'}" in cache
 
 
+def test_a_manual_configure_defaults_to_a_release_build(tmp_path):
+    # The command in ascend_kernels/CMakeLists.txt's header, without CMAKE_BUILD_TYPE.
+    env = stub_environment(tmp_path, "ascend910b1")
+    build = tmp_path / "manual"
+    result = subprocess.run(
+        ["cmake", "-S", str(ROOT / "ascend_kernels"), "-B", str(build),
+         "-DSOC_VERSION=ascend910b1", f"-DASCEND_HOME_PATH={env['ASCEND_HOME_PATH']}",
+         f"-DPython3_EXECUTABLE={sys.executable}", f"-DDFLASH_NPU_OUTPUT_DIR={tmp_path}"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "CMAKE_BUILD_TYPE:STRING=Release" in (build / "CMakeCache.txt").read_text()
+
+
 @pytest.mark.parametrize("given, resolved", [
     ("ascend910b1", "ascend910b1"), ("Ascend910B4", "ascend910b4"), ("910b", "ascend910b1"),
     ("A2", "ascend910b1"), ("a3", "ascend910_9391"), ("Ascend910_9382", "ascend910_9382"),
@@ -127,6 +140,25 @@ def test_npu_launchers_compile_against_stub_headers(tmp_path):
     result = subprocess.run(["c++", "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
                              *flags, str(unit)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_launch_goes_to_the_callers_stream(tmp_path):
+    # torch_npu runs OpCommand's handler on its task-queue thread, whose current stream is not the
+    # caller's (torch.npu.stream(s), graph capture): the launchers must read it before queueing.
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    program = tmp_path / "stream_check"
+    flags = [f"-isystem{p}" for p in include_paths()] + [
+        f"-I{ROOT / 'tests' / 'npu_stub_headers'}", f"-I{ROOT / 'csrc'}",
+        f"-I{ROOT / 'ascend_kernels'}"]
+    libs = [f"-L{p}" for p in library_paths()] + [f"-Wl,-rpath,{p}" for p in library_paths()]
+    result = subprocess.run(["c++", "-std=c++20", "-O0", *flags,
+                             str(ROOT / "tests" / "npu_stream_check.cpp"), "-o", str(program),
+                             *libs, "-lc10", "-ltorch_cpu", "-ltorch", "-pthread"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "caller"
 
 
 def test_a_built_npu_library_is_loaded_after_torch_npu(monkeypatch):

@@ -1,7 +1,8 @@
 """The C++ CPU kernel of dflash::rejection_sample against the reference (docs/design.md 3.3).
 
-Given the same noise the kernel must return exactly the reference's tokens (torch.equal), and for
-bad input exactly the reference's error message.
+Given the same noise the kernel must return exactly the reference's tokens (torch.equal), with
+full validation and with `validate=False` (which reads only what sampling needs), and for bad
+input exactly the reference's error message.
 """
 
 import pytest
@@ -16,9 +17,10 @@ kernel = torch.ops.dflash.rejection_sample
 
 def assert_same(args):
     want = reference.rejection_sample(**args)
-    got = kernel(**args)
-    assert got[0].dtype == got[1].dtype == torch.int64
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
+    for validate in (True, False):
+        got = kernel(**args, validate=validate)
+        assert got[0].dtype == got[1].dtype == torch.int64
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (validate, got, want)
     return got
 
 
@@ -272,6 +274,60 @@ def test_bad_input_gives_the_reference_error_message(case):
     a = rejection_sample_inputs()
     args = {**a, **BAD_INPUTS[case](a)}
     assert_same_error(args)
+
+
+def _read_rows_case():
+    """Six sequences (0 and 3 greedy) with, from the reference, each one's accepted count."""
+    a = rejection_sample_inputs(bs=6, k=4, v=3000, dense=True, greedy_every=3, seed=2,
+                                draft_noise=1.0)
+    accepted = reference.rejection_sample(**a)[1].tolist()
+    sampled = [b for b in range(6) if b % 3]
+    rejected = next(b for b in sampled if accepted[b] < 4)
+    return a, accepted, rejected
+
+
+def _bad_values_read_by_sampling():
+    """(description, change) for bad values in rows that sampling with validate=False reads."""
+    a, accepted, b = _read_rows_case()
+    at, x0 = accepted[b], int(a["draft_token_ids"][b, 0])
+    spot = (int(a["draft_token_ids"][b, at]) + 1) % 3000   # not the draft token itself
+    return [
+        ("target at a draft token", "target_probs", (b, 0, x0), -0.5),
+        ("residual's target row", "target_probs", (b, at, spot), float("nan")),
+        ("residual's draft row", "draft_probs", (b, at, 2999), -1e-30),
+        ("draft at a draft token", "draft_probs", (b, 0, x0), float("inf")),
+        ("noise row of the residual", "exponential", (b, 17), 0.0),
+        ("greedy target row", "target_probs", (3, 0, 2500), float("inf")),
+        ("greedy row of the last step", "target_probs", (0, accepted[0], 1), -1.0),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_without_validate_bad_values_it_reads_give_the_same_message(case):
+    a, _, _ = _read_rows_case()
+    _, name, index, value = _bad_values_read_by_sampling()[case]
+    args = {**a, name: _set(a[name], [(index, value)])}
+    with pytest.raises(ValueError) as want:
+        reference.rejection_sample(**args)
+    with pytest.raises(ValueError) as got:
+        kernel(**args, validate=False)
+    assert str(got.value) == str(want.value)
+
+
+def test_without_validate_rows_sampling_does_not_need_are_not_read():
+    # NaN in every row the walk never reaches: the validated call rejects the input, the
+    # unvalidated one returns the tokens of the clean input.
+    a, accepted, b = _read_rows_case()
+    clean = reference.rejection_sample(**a)
+    at = accepted[b]
+    later = (b, slice(at + 1, None))
+    args = {**a, "target_probs": _set(a["target_probs"], [(later, float("nan"))]),
+            "draft_probs": _set(a["draft_probs"], [(later, float("nan"))]),
+            "exponential": _set(a["exponential"], [((0,), float("nan")), ((3,), -1.0)])}
+    with pytest.raises(ValueError, match="NaN/Inf probabilities"):
+        kernel(**args)
+    got = kernel(**args, validate=False)
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
 
 
 def test_bad_rows_found_in_long_rows_and_any_chunk():

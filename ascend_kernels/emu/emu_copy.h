@@ -35,6 +35,15 @@ void ub_operand(const LocalTensor<T>& t, uint32_t bytes, const char* what,
               t.GetSize() * sizeof(T));
 }
 
+// A2 moves DataCopyPad data between GM and VECIN / VECOUT buffers only (GM <-> VECCALC is
+// documented for newer SoCs).
+template <typename T>
+void pad_position(const LocalTensor<T>& t, const char* what) {
+  if (t.position() != TPosition::VECIN && t.position() != TPosition::VECOUT)
+    emu::fail("dma-position", what, " on a VECCALC buffer: on A2 DataCopyPad moves data between "
+              "GM and VECIN / VECOUT buffers only (use a TQue or a TBuf<VECIN / VECOUT>)");
+}
+
 inline void dma_blocks(uint32_t bytes, const char* what) {
   if (bytes % emu::kAlign)
     emu::fail("dma-granularity", what, " moves ", bytes,
@@ -85,6 +94,7 @@ template <typename T>
 void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyExtParams& p,
                  const DataCopyPadExtParams<T>& pad) {
   detail::pad_params(p, sizeof(T), p.srcStride, pad.leftPadding, pad.rightPadding);
+  detail::pad_position(dst, "DataCopyPad GM->UB");
   const uint32_t n = p.blockLen / sizeof(T);
   const uint32_t footprint =
       emu::round_up((pad.leftPadding + n + pad.rightPadding) * sizeof(T), emu::kAlign);
@@ -115,6 +125,7 @@ template <typename T>
 void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src,
                  const DataCopyExtParams& p) {
   detail::pad_params(p, sizeof(T), p.dstStride, 0, 0);
+  detail::pad_position(src, "DataCopyPad UB->GM");
   const uint32_t n = p.blockLen / sizeof(T);
   const uint32_t ub_step = emu::round_up(p.blockLen, emu::kAlign) + p.srcStride * emu::kAlign;
   const uint64_t gm_step = p.blockLen + p.dstStride;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -28,6 +29,10 @@ constexpr uint32_t kUbBytes = 192 * 1024;      // unified buffer of one 910B (A2
 constexpr uint32_t kAlign = 32;                // DMA granularity and vector operand alignment
 constexpr uint32_t kRepeatBytes = 256;         // bytes one vector instruction repeat processes
 constexpr uint32_t kPoisonWord = 0x7FC17FC1u;  // NaN as float32 and as either 16-bit half
+// Select in tensor-scalar mode stores its scalar in the UB's reserved tail (the last 8 KiB on A2):
+// a kernel that uses it may plan buffers only below this offset.
+constexpr uint32_t kSelectReservedOffset = 184 * 1024;
+constexpr int kEventIds = 8;                   // flag IDs per (source, destination) pipe pair
 
 struct Fault : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -50,6 +55,16 @@ enum Pipe : int { kS = 0, kV, kMte2, kMte3, kNumPipes };
 inline const char* pipe_name(int p) {
   static const char* names[] = {"S", "V", "MTE2", "MTE3"};
   return names[p];
+}
+
+// "MTE2_V" and so on: the HardEvent of a (source, destination) pair.
+inline const char* event_name(int src, int dst) {
+  static const std::string names[kNumPipes][kNumPipes] = {
+      {"S_S", "S_V", "S_MTE2", "S_MTE3"},
+      {"V_S", "V_V", "V_MTE2", "V_MTE3"},
+      {"MTE2_S", "MTE2_V", "MTE2_MTE2", "MTE2_MTE3"},
+      {"MTE3_S", "MTE3_V", "MTE3_MTE2", "MTE3_MTE3"}};
+  return names[src][dst].c_str();
 }
 
 // What one pipe has observed of every pipe: seen[q] = index of the last instruction of q that is
@@ -208,24 +223,77 @@ class Block {
     if (bytes) launch_.writes.push_back({begin, begin + bytes, idx_});
   }
 
-  // Explicit flags, keyed by (source pipe, destination pipe, event id).
+  // The highest UB byte any buffer of this block occupies.
+  uint32_t used() const { return used_; }
+
+  // Flags, keyed by (source pipe, destination pipe, event id). The pipe hands out IDs from one
+  // pool per pipe pair, shared by the queues (EnQue / FreeTensor allocate theirs there) and by
+  // kernel code (AllocEventID / FetchEventID): a hard-coded ID can be one a queue holds.
   void set_flag(int src, int dst, int id, const char* name) {
-    auto& e = events_[std::make_tuple(src, dst, id)];
-    if (e.first)
-      fail("event", "SetFlag<", name, ">(", id, ") while the previous one was never waited");
-    e = {true, hazards_.snapshot(src)};
+    set_flag(src, dst, id, name, hazards_.snapshot(src));
   }
 
-  void wait_flag(int src, int dst, int id, const char* name) {
+  void set_flag(int src, int dst, int id, const char* name, const Clock& clock) {
+    check_id(id, name);
+    auto& e = events_[std::make_tuple(src, dst, id)];
+    if (e.first)
+      fail("event", "SetFlag<", name, ">(", id, ") while the previous one was never waited",
+           holder(src, dst, id), ": a second SetFlag on a set flag is undefined and can hang");
+    e = {true, clock};
+  }
+
+  void wait_flag(int src, int dst, int id, const char* name, const char* who = nullptr) {
+    check_id(id, name);
     auto& e = events_[std::make_tuple(src, dst, id)];
     if (!e.first)
-      fail("event", "WaitFlag<", name, ">(", id, ") without a matching SetFlag: pipe ",
-           pipe_name(dst), " would wait forever");
+      fail("event", who ? who : "", who ? ": " : "", "WaitFlag<", name, ">(", id,
+           ") without a matching SetFlag", holder(src, dst, id), ": pipe ", pipe_name(dst),
+           " would wait forever");
     hazards_.merge(dst, e.second);
     e.first = false;
   }
 
-  void finish() const {
+  // AllocEventID: the lowest ID of the pair that nobody holds, now held until ReleaseEventID.
+  int alloc_event(int src, int dst, const char* name, const char* owner) {
+    auto& pool = pools_[{src, dst}];
+    for (int id = 0; id < kEventIds; ++id) {
+      if (pool[id]) continue;
+      pool[id] = owner;
+      return id;
+    }
+    fail("event", "AllocEventID<", name, ">: all ", kEventIds, " IDs are held");
+  }
+
+  void release_event(int src, int dst, int id, const char* name) {
+    check_id(id, name);
+    auto& pool = pools_[{src, dst}];
+    if (!pool[id]) fail("event", "ReleaseEventID<", name, ">(", id, ") of an ID nobody holds");
+    pool[id] = nullptr;
+  }
+
+  // FetchEventID: the lowest ID nobody holds, for a SetFlag/WaitFlag pair that follows at once.
+  int fetch_event(int src, int dst, const char* name) {
+    auto& pool = pools_[{src, dst}];
+    for (int id = 0; id < kEventIds; ++id)
+      if (!pool[id]) return id;
+    fail("event", "FetchEventID<", name, ">: all ", kEventIds, " IDs are held");
+  }
+
+  // A queue that goes away with buffers freed but not re-allocated: the pipe's end waits on
+  // their FreeTensor flags (checked in finish(), outside any destructor).
+  void defer_wait(int src, int dst, int id) noexcept {
+    try {
+      deferred_.push_back({src, dst, id});
+    } catch (...) {
+    }
+  }
+
+  void finish() {
+    for (const auto& [src, dst, id] : deferred_) {
+      wait_flag(src, dst, id, event_name(src, dst), "the pipe's end (a queue's FreeTensor flag)");
+      pools_[{src, dst}][id] = nullptr;
+    }
+    deferred_.clear();
     for (const auto& [key, e] : events_) {
       if (e.first)
         fail("event", "block ", idx_, " ends with a SetFlag (", pipe_name(std::get<0>(key)), " -> ",
@@ -243,7 +311,20 @@ class Block {
   std::unique_ptr<uint8_t, FreeDeleter> ub_;
   uint32_t used_ = 0;
   Hazards hazards_;
+  void check_id(int id, const char* name) const {
+    if (id < 0 || id >= kEventIds)
+      fail("event", "<", name, "> event ID ", id, " outside 0..", kEventIds - 1);
+  }
+
+  std::string holder(int src, int dst, int id) const {
+    auto it = pools_.find({src, dst});
+    if (it == pools_.end() || !it->second[id]) return "";
+    return std::string(" (ID ") + std::to_string(id) + " is held by " + it->second[id] + ")";
+  }
+
   std::map<std::tuple<int, int, int>, std::pair<bool, Clock>> events_;
+  std::map<std::pair<int, int>, std::array<const char*, kEventIds>> pools_;
+  std::vector<std::tuple<int, int, int>> deferred_;
 };
 
 inline Block*& current_block() {

@@ -62,6 +62,8 @@ constexpr EventPipes event_pipes(HardEvent e) {
 
 }  // namespace detail
 
+using TEventID = int8_t;
+
 inline int64_t GetBlockIdx() { return emu::block().idx(); }
 inline int64_t GetBlockNum() { return emu::block().num(); }
 
@@ -137,14 +139,14 @@ class LocalTensor {
   LocalTensor operator[](uint32_t offset) const {
     if (offset > size_)
       emu::fail("ub-bounds", "LocalTensor offset ", offset, " past its ", size_, " elements");
-    return LocalTensor(offset_ + offset * sizeof(T), size_ - offset);
+    return LocalTensor(offset_ + offset * sizeof(T), size_ - offset, pos_);
   }
 
   uint32_t GetSize() const { return size_; }
 
   template <typename U>
   LocalTensor<U> ReinterpretCast() const {
-    return LocalTensor<U>(offset_, size_ * sizeof(T) / sizeof(U));
+    return LocalTensor<U>(offset_, size_ * sizeof(T) / sizeof(U), pos_);
   }
 
   // Scalar access (pipe S): ordered against vector and DMA pipes only by explicit flags.
@@ -165,8 +167,10 @@ class LocalTensor {
   }
 
   // Emulation internals.
-  LocalTensor(uint32_t offset, uint32_t size) : offset_(offset), size_(size) {}
+  LocalTensor(uint32_t offset, uint32_t size, TPosition pos)
+      : offset_(offset), size_(size), pos_(pos) {}
   uint32_t offset() const { return offset_; }
+  TPosition position() const { return pos_; }
   T* data() const { return reinterpret_cast<T*>(emu::block().ub(offset_)); }
 
  private:
@@ -176,6 +180,7 @@ class LocalTensor {
 
   uint32_t offset_ = 0;
   uint32_t size_ = 0;
+  TPosition pos_ = TPosition::VECCALC;
 };
 
 template <TPosition Pos>
@@ -183,13 +188,13 @@ class TBuf {
  public:
   template <typename T>
   LocalTensor<T> Get() const {
-    return LocalTensor<T>(offset_, bytes_ / sizeof(T));
+    return LocalTensor<T>(offset_, bytes_ / sizeof(T), Pos);
   }
   template <typename T>
   LocalTensor<T> Get(uint32_t count) const {
     if (count * sizeof(T) > bytes_)
       emu::fail("ub-bounds", "TBuf::Get(", count, ") on a buffer of ", bytes_, " bytes");
-    return LocalTensor<T>(offset_, count);
+    return LocalTensor<T>(offset_, count, Pos);
   }
 
   void init(uint32_t offset, uint32_t bytes) {
@@ -203,11 +208,13 @@ class TBuf {
 
 namespace detail {
 
-// A queue's buffers and the implicit flags its operations set: EnQue/DeQue hand a buffer from the
-// producing pipe to the consuming one, FreeTensor/AllocTensor hand it back.
+// A queue's buffers and the flags its operations set, with IDs from the pipe's shared pool:
+// EnQue sets producer -> consumer on a fresh ID that DeQue waits on and releases; FreeTensor sets
+// consumer -> producer on a fresh ID that the buffer's next AllocTensor waits on and releases (the
+// pipe's end waits on the ones still held).
 class Queue {
  public:
-  Queue(TPosition pos, int depth) : depth_(depth) {
+  Queue(TPosition pos, int depth) : pos_(pos), depth_(depth) {
     if (pos == TPosition::VECIN) {
       producer_ = emu::kMte2;
       consumer_ = emu::kV;
@@ -218,6 +225,18 @@ class Queue {
       emu::fail("queue", "only VECIN and VECOUT queues are modelled");
     }
   }
+
+  ~Queue() {
+    emu::Block* blk = emu::current_block();
+    if (!blk) return;
+    for (const Buf& b : bufs_)
+      if (b.free_id >= 0) blk->defer_wait(consumer_, producer_, b.free_id);
+  }
+
+  Queue(const Queue&) = delete;
+  Queue& operator=(const Queue&) = delete;
+
+  TPosition position() const { return pos_; }
 
   void init(uint32_t num, uint32_t bytes) {
     if (!bufs_.empty()) emu::fail("queue", "InitBuffer called twice on one queue");
@@ -232,9 +251,15 @@ class Queue {
   uint32_t alloc() {
     for (Buf& b : bufs_) {
       if (b.state != kFree) continue;
+      auto& blk = emu::block();
+      if (b.free_id >= 0) {
+        blk.wait_flag(consumer_, producer_, b.free_id, emu::event_name(consumer_, producer_),
+                      "AllocTensor (waits on its buffer's FreeTensor flag)");
+        blk.release_event(consumer_, producer_, b.free_id, emu::event_name(consumer_, producer_));
+        b.free_id = -1;
+      }
       b.state = kAllocated;
-      emu::block().hazards().merge(producer_, b.handback);
-      emu::block().poison(b.offset, b.bytes);
+      blk.poison(b.offset, b.bytes);
       return b.offset;
     }
     emu::fail("queue-depth", "AllocTensor: all ", bufs_.size(),
@@ -245,8 +270,11 @@ class Queue {
     Buf& b = find(offset, kAllocated, "EnQue");
     if (static_cast<int>(fifo_.size()) >= depth_)
       emu::fail("queue-depth", "EnQue: the queue already holds its depth of ", depth_, " tensors");
+    auto& blk = emu::block();
+    const char* name = emu::event_name(producer_, consumer_);
     b.state = kQueued;
-    b.handover = emu::block().hazards().snapshot(producer_);
+    b.enque_id = blk.alloc_event(producer_, consumer_, name, "a queue's EnQue");
+    blk.set_flag(producer_, consumer_, b.enque_id, name);
     fifo_.push_back(&b);
   }
 
@@ -254,8 +282,11 @@ class Queue {
     if (fifo_.empty()) emu::fail("queue-depth", "DeQue on an empty queue");
     Buf& b = *fifo_.front();
     fifo_.pop_front();
+    auto& blk = emu::block();
+    const char* name = emu::event_name(producer_, consumer_);
+    blk.wait_flag(producer_, consumer_, b.enque_id, name, "DeQue (waits on its EnQue flag)");
+    blk.release_event(producer_, consumer_, b.enque_id, name);
     b.state = kDequeued;
-    emu::block().hazards().merge(consumer_, b.handover);
     return b.offset;
   }
 
@@ -265,8 +296,11 @@ class Queue {
       if (c.offset == offset && (c.state == kAllocated || c.state == kDequeued)) b = &c;
     if (!b) emu::fail("queue", "FreeTensor of a tensor this queue does not hold");
     int releasing = b->state == kDequeued ? consumer_ : producer_;
+    auto& blk = emu::block();
+    const char* name = emu::event_name(consumer_, producer_);
     b->state = kFree;
-    b->handback = emu::block().hazards().snapshot(releasing);
+    b->free_id = blk.alloc_event(consumer_, producer_, name, "a queue's FreeTensor");
+    blk.set_flag(consumer_, producer_, b->free_id, name, blk.hazards().snapshot(releasing));
   }
 
   uint32_t bytes(uint32_t offset) const {
@@ -280,7 +314,7 @@ class Queue {
   struct Buf {
     uint32_t offset = 0, bytes = 0;
     State state = kFree;
-    emu::Clock handover, handback;
+    int enque_id = -1, free_id = -1;
   };
 
   Buf& find(uint32_t offset, State state, const char* what) {
@@ -289,6 +323,7 @@ class Queue {
     emu::fail("queue", what, " of a tensor that was not allocated from this queue");
   }
 
+  TPosition pos_;
   int depth_;
   int producer_ = emu::kMte2, consumer_ = emu::kV;
   std::vector<Buf> bufs_;
@@ -305,7 +340,7 @@ class TQue {
   template <typename T>
   LocalTensor<T> AllocTensor() {
     uint32_t offset = queue_.alloc();
-    return LocalTensor<T>(offset, queue_.bytes(offset) / sizeof(T));
+    return LocalTensor<T>(offset, queue_.bytes(offset) / sizeof(T), Pos);
   }
 
   template <typename T>
@@ -317,7 +352,7 @@ class TQue {
   template <typename T>
   LocalTensor<T> DeQue() {
     uint32_t offset = queue_.deque();
-    return LocalTensor<T>(offset, queue_.bytes(offset) / sizeof(T));
+    return LocalTensor<T>(offset, queue_.bytes(offset) / sizeof(T), Pos);
   }
 
   template <typename T>
@@ -348,6 +383,30 @@ class TPipe {
   template <TPosition Pos>
   void InitBuffer(TBuf<Pos>& buf, uint32_t len) {
     buf.init(emu::block().allocate(len, "InitBuffer(TBuf)"), len);
+  }
+
+  // Event IDs come from the pool the queues draw from (see detail::Queue).
+  template <HardEvent E>
+  TEventID AllocEventID() {
+    constexpr auto p = detail::event_pipes(E);
+    return static_cast<TEventID>(emu::block().alloc_event(p.src, p.dst, p.name, "AllocEventID"));
+  }
+
+  template <HardEvent E>
+  void ReleaseEventID(TEventID id) {
+    constexpr auto p = detail::event_pipes(E);
+    emu::block().release_event(p.src, p.dst, id, p.name);
+  }
+
+  template <HardEvent E>
+  TEventID FetchEventID() {
+    constexpr auto p = detail::event_pipes(E);
+    return static_cast<TEventID>(emu::block().fetch_event(p.src, p.dst, p.name));
+  }
+
+  TEventID FetchEventID(HardEvent e) {
+    const auto p = detail::event_pipes(e);
+    return static_cast<TEventID>(emu::block().fetch_event(p.src, p.dst, p.name));
   }
 };
 

@@ -288,20 +288,44 @@ void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTe
     emu::fail("select", "a scalar src1 needs VSEL_TENSOR_SCALAR_MODE");
   const uint32_t bytes = count * sizeof(T);
   detail::VecInstr("Select").src(mask, (count + 7) / 8).src(src0, bytes).dst(dst, bytes).run();
+  if (emu::block().used() > emu::kSelectReservedOffset)
+    emu::fail("select-reserved", "Select in tensor-scalar mode stores its scalar in the UB from "
+              "byte ", emu::kSelectReservedOffset, " (the reserved last 8 KiB), but this kernel's "
+              "buffers reach byte ", emu::block().used(),
+              ": the scalar would overwrite them; plan at most 184 KiB where Select is used");
   const uint8_t* m = mask.template ReinterpretCast<uint8_t>().data();
   T *d = dst.data(), *a = src0.data();
   for (uint32_t i = 0; i < count; ++i) d[i] = (m[i / 8] >> (i % 8)) & 1 ? a[i] : src1;
 }
 
-// dst[0] = sum; the emulation adds sequentially in float (hardware order differs in the last bits).
+namespace detail {
+
+// A2's count-form ReduceSum adds the lanes of each repeat (256 bytes) as a binary tree of adjacent
+// pairs (lanes past the count add as zeros), then the repeats' sums in order (the API docs'
+// "mode 2" for the first-n form on A2). Sum is documented to add the same way within a repeat;
+// across repeats the emulation takes ReduceSum's order.
+template <typename T>
+compute_t<T> tree_sum(const T* x, uint32_t count) {
+  const uint32_t lanes = emu::kRepeatBytes / sizeof(T);
+  compute_t<T> total = 0;
+  for (uint32_t start = 0; start < count; start += lanes) {
+    std::vector<compute_t<T>> v(lanes, compute_t<T>(0));
+    for (uint32_t i = start; i < count && i < start + lanes; ++i) v[i - start] = load(x[i]);
+    for (uint32_t width = lanes; width > 1; width /= 2)
+      for (uint32_t i = 0; i < width / 2; ++i) v[i] = v[2 * i] + v[2 * i + 1];
+    total = start ? total + v[0] : v[0];
+  }
+  return total;
+}
+
+}  // namespace detail
+
+// dst[0] = sum, added in A2's tree order (detail::tree_sum).
 template <typename T>
 void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& tmp,
                int32_t count) {
   detail::reduction("ReduceSum", dst, src, tmp, count, 1);
-  const T* x = src.data();
-  detail::compute_t<T> sum = 0;
-  for (int32_t i = 0; i < count; ++i) sum += detail::load(x[i]);
-  dst.data()[0] = detail::store<T>(sum);
+  dst.data()[0] = detail::store<T>(detail::tree_sum(src.data(), count));
 }
 
 // dst[0] = max; with calIndex dst[1] holds the bits of the (first) maximal element's index.
@@ -320,7 +344,7 @@ void ReduceMin(const LocalTensor<T>& dst, const LocalTensor<T>& src, const Local
 }
 
 // Sum (high-level API): dst[i] = sum of the first n elements of row i of src [outter, inner], in
-// float, sequentially (the hardware's order differs in the last bits). Rows are inner elements
+// float, in A2's tree order (detail::tree_sum). Rows are inner elements
 // apart, inner * sizeof(T) a multiple of 32 bytes; dst covers outter elements rounded up to 32
 // bytes and its lanes past outter are left unspecified (poisoned); src and dst may not overlap.
 // The workspace size is our reading (one partial per 32-byte block of a row); on the NPU
@@ -350,11 +374,8 @@ void Sum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor
       .run(false);
   const T* x = src.data();
   T* d = dst.data();
-  for (uint32_t i = 0; i < p.outter; ++i) {
-    detail::compute_t<T> sum = 0;
-    for (uint32_t k = 0; k < p.n; ++k) sum += detail::load(x[i * p.inner + k]);
-    d[i] = detail::store<T>(sum);
-  }
+  for (uint32_t i = 0; i < p.outter; ++i)
+    d[i] = detail::store<T>(detail::tree_sum(x + i * p.inner, p.n));
   for (uint32_t i = p.outter; i < dst_bytes / sizeof(T); ++i)
     std::memcpy(&d[i], &emu::kPoisonWord, sizeof(T));
 }

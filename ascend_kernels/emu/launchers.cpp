@@ -55,10 +55,12 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_toke
                                                     const at::Tensor& target_probs,
                                                     const at::Tensor& is_greedy,
                                                     const at::Tensor& uniform,
-                                                    const at::Tensor& exponential) {
+                                                    const at::Tensor& exponential,
+                                                    bool validate) {
   auto l = dflash::ascend::prepare_rejection_sample(draft_token_ids, draft_probs, target_probs,
-                                                    is_greedy, uniform, exponential, config.cores,
-                                                    config.ub_bytes, config.max_tile);
+                                                    is_greedy, uniform, exponential, validate,
+                                                    config.cores, config.ub_bytes,
+                                                    config.max_tile);
   if (l.block_dim == 0) return {l.out_ids, l.num_accepted};
   std::vector<emu::GmArg> args{
       gm(l.draft_ids, false, "draft_token_ids"), gm(l.target_probs, false, "target_probs"),
@@ -147,6 +149,9 @@ std::vector<int64_t> paged_attention_plan(int64_t q_heads, int64_t kv_heads, int
   return {t.q_tile, t.head_tile, t.kv_tile};
 }
 
+// Device-to-host copies the shared host code (csrc/npu/ascend_host.h) has made so far.
+int64_t host_copies() { return dflash::ascend::host_copies().load(); }
+
 void configure(int64_t cores, int64_t max_tile, int64_t ub_bytes) {
   TORCH_CHECK_VALUE(cores >= 1 && max_tile >= 0 && ub_bytes >= 0,
                     "configure: cores >= 1, max_tile >= 0 and ub_bytes >= 0");
@@ -180,12 +185,14 @@ TORCH_LIBRARY(dflash_emu, m) {
       "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
-      "Tensor is_greedy, Tensor uniform, Tensor exponential) -> (Tensor, Tensor)");
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> "
+      "(Tensor, Tensor)");
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
       "float scale, bool causal) -> Tensor");
   m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash_emu::configure);
+  m.def("host_copies() -> int", &dflash_emu::host_copies);
   m.def(
       "paged_attention_plan(int q_heads, int kv_heads, int head_dim, int block_size, "
       "int max_query_len, int elem_bytes) -> int[]",

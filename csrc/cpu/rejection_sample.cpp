@@ -1,12 +1,18 @@
 // CPU kernel for dflash::rejection_sample (docs/design.md 3.3); dflash/reference.py is the specification.
 //
-// The op is memory bound: validation must read every probability once, and the sampling itself
-// touches only a few rows per sequence. So it runs in two parallel phases:
+// The op is memory bound, and the sampling itself touches only a few rows per sequence.
+// With validate (the default, for direct calls) every probability is checked, in two parallel
+// phases:
 //   1. one vectorized pass over every row of target_probs, draft_probs and exponential, recording
 //      which rows are invalid and, for greedy sequences, the argmax of each target row;
 //   2. once all input is known valid, per sequence: the acceptance walk, then one fused pass that
 //      computes the residual, its exponential race and whether it has any positive mass.
 // Errors are raised between the phases with the reference's messages, in the reference's order.
+// Without validate (a caller that built the probabilities itself, like the engine) each sequence
+// reads only what sampling needs: p[draft] and q[draft] position by position until the first
+// rejection, then the residual's rows and its exponential row (or the bonus row), or for greedy
+// sequences the target rows up to the first mismatch; it checks exactly the values it reads and
+// reports a bad one with the same messages.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -90,6 +96,33 @@ RowStatus prob_status(const RowScan& s) {
   return !s.finite ? kNonFinite : s.lo < 0 ? kNegative : kOk;
 }
 
+// Finiteness and minimum of the values a sequence reads, accumulated chunk by chunk.
+struct Seen {
+  Vec nan_sum = Vec(0.0f), lo = Vec(std::numeric_limits<float>::infinity());
+
+  void add(const float* x, int64_t n) {
+    const Vec zero(0.0f);
+    auto put = [&](const Vec& v) {
+      nan_sum = at::vec::fmadd(v, zero, nan_sum);
+      lo = at::vec::clamp_max(v, lo);
+    };
+    int64_t i = 0;
+    for (; i + W <= n; i += W) put(Vec::loadu(x + i));
+    if (i < n) put(Vec::set(Vec(x[0]), Vec::loadu(x + i, n - i), n - i));  // x[0]: neutral
+  }
+  bool finite() const {
+    return !std::isnan(
+        at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, nan_sum));
+  }
+  RowStatus probs() const { return !finite() ? kNonFinite : reduce_min(lo) < 0 ? kNegative : kOk; }
+  bool noise_ok() const { return finite() && reduce_min(lo) > 0; }
+};
+
+// The rows a checked race read: p, q (dense residuals) and e.
+struct RaceChecks {
+  Seen p, q, e;
+};
+
 // ------------------------------------------------------------------------------------------
 // Phase 2: the exponential race
 
@@ -99,8 +132,10 @@ struct Race {
 };
 
 // w = max(p - q, 0), or p with w[skip] = 0 when q is null (one-hot proposal); skip = -1: w = p.
-// Divisions are IEEE float32 in both the vector and the scalar code, as in the reference.
-Race race(const float* p, const float* q, int64_t skip, const float* e, int64_t n) {
+// Divisions are IEEE float32 in both the vector and the scalar code, as in the reference. With
+// `checks`, each chunk of p, q and e is also checked while it is in L1.
+Race race(const float* p, const float* q, int64_t skip, const float* e, int64_t n,
+          RaceChecks* checks = nullptr) {
   auto weight = [&](int64_t v) {
     return q ? std::max(p[v] - q[v], 0.0f) : (v == skip ? 0.0f : p[v]);
   };
@@ -115,6 +150,11 @@ Race race(const float* p, const float* q, int64_t skip, const float* e, int64_t 
   Vec w_hi = zero;
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t c1 = std::min(n, c0 + kChunk);
+    if (checks) {
+      checks->p.add(p + c0, c1 - c0);
+      if (q) checks->q.add(q + c0, c1 - c0);
+      checks->e.add(e + c0, c1 - c0);
+    }
     if (c0 <= skip && skip < c1) {  // the one chunk holding the zeroed draft: plain scalar loop
       for (int64_t i = c0; i < c1; ++i) {
         const float w = weight(i), r = w / e[i];
@@ -146,63 +186,156 @@ Race race(const float* p, const float* q, int64_t skip, const float* e, int64_t 
 
 // ------------------------------------------------------------------------------------------
 
+// The inputs as raw pointers (contiguous), and the sizes.
+struct Inputs {
+  int64_t bs, k, v;
+  const int64_t* ids;
+  const float *p, *q, *u, *e;  // q: nullptr for one-hot proposals
+  const bool* greedy;
+
+  const float* p_row(int64_t b, int64_t i) const { return p + (b * (k + 1) + i) * v; }
+  const float* q_row(int64_t b, int64_t i) const { return q + (b * k + i) * v; }
+  const float* e_row(int64_t b) const { return e + b * v; }
+};
+
+// A value a sequence read that fails validation, in the terms of the full check's messages.
+struct Failure {
+  enum Kind : uint8_t { kNone, kTarget, kDraft, kNoise } kind = kNone;
+  int64_t position = 0;
+  RowStatus status = kOk;
+};
+
+RowStatus value_status(float x) {
+  return !std::isfinite(x) ? kNonFinite : x < 0 ? kNegative : kOk;
+}
+
+// Where the walk of sequence b stops: a accepted drafts, then `token`.
+struct Outcome {
+  int64_t accepted = 0, token = 0;
+};
+
+// Sampling row b: accept x_a while u_a * q_a(x_a) < p_a(x_a) (float32 product, q = 1 for one-hot
+// proposals), then the residual's race at the first rejection, else the bonus race. With
+// `failure`, every value read is checked and the first bad one stops the walk.
+Outcome sample(const Inputs& in, int64_t b, Failure* failure) {
+  const int64_t* drafts = in.ids + b * in.k;
+  Outcome o;
+  int64_t& a = o.accepted;
+  auto stop = [&](Failure::Kind kind, RowStatus status) {
+    *failure = {kind, a, status};
+    return o;
+  };
+  while (a < in.k) {
+    const float p = in.p_row(b, a)[drafts[a]];
+    const float q = in.q ? in.q_row(b, a)[drafts[a]] : 1.0f;
+    if (failure) {
+      if (value_status(p) != kOk) return stop(Failure::kTarget, value_status(p));
+      if (value_status(q) != kOk) return stop(Failure::kDraft, value_status(q));
+    }
+    if (!(in.u[b * in.k + a] * q < p)) break;
+    ++a;
+  }
+  RaceChecks seen;
+  RaceChecks* checks = failure ? &seen : nullptr;
+  const float* p_row = in.p_row(b, a);
+  Race r;
+  if (a < in.k) {
+    r = in.q ? race(p_row, in.q_row(b, a), -1, in.e_row(b), in.v, checks)
+             : race(p_row, nullptr, drafts[a], in.e_row(b), in.v, checks);
+  } else {
+    r = race(p_row, nullptr, -1, in.e_row(b), in.v, checks);
+  }
+  if (failure) {
+    if (seen.p.probs() != kOk) return stop(Failure::kTarget, seen.p.probs());
+    if (in.q && a < in.k && seen.q.probs() != kOk) return stop(Failure::kDraft, seen.q.probs());
+    if (!seen.e.noise_ok()) return stop(Failure::kNoise, kOk);
+  }
+  // a residual with no positive mass falls back to p (a < K only: the bonus race takes p already)
+  o.token = r.positive || a == in.k ? r.token : race(p_row, nullptr, -1, in.e_row(b), in.v).token;
+  return o;
+}
+
+void write_row(const Inputs& in, int64_t b, const Outcome& o, int64_t* out, int64_t* num) {
+  const int64_t* drafts = in.ids + b * in.k;
+  int64_t* row = out + b * (in.k + 1);
+  std::copy(drafts, drafts + o.accepted, row);
+  row[o.accepted] = o.token;
+  std::fill(row + o.accepted + 1, row + in.k + 1, int64_t{-1});
+  num[b] = o.accepted;
+}
+
+[[noreturn]] void fail_probs(const char* name, int64_t b, int64_t i, RowStatus status) {
+  RS_CHECK(false, name, " row (sequence ", b, ", position ", i, ") has ",
+           status == kNonFinite ? "NaN/Inf" : "negative", " probabilities");
+  std::abort();  // unreachable: RS_CHECK(false, ...) throws
+}
+
+[[noreturn]] void fail_noise(int64_t b) {
+  RS_CHECK(false, "exponential row ", b, " must be positive and finite (Exp(1) noise)");
+  std::abort();
+}
+
+// validate: every probability and noise value is checked first (phase 1 above), as in the
+// reference; else each sequence checks what it reads, and the first failure in the reference's
+// order (target rows, draft rows, noise rows; lowest sequence first) is reported.
 std::tuple<at::Tensor, at::Tensor> rejection_sample(
     const at::Tensor& draft_token_ids_, const std::optional<at::Tensor>& draft_probs_,
     const at::Tensor& target_probs_, const at::Tensor& is_greedy_, const at::Tensor& uniform_,
-    const at::Tensor& exponential_) {
+    const at::Tensor& exponential_, bool validate) {
   checks::rejection_sample_meta(draft_token_ids_, draft_probs_, target_probs_, is_greedy_,
                                 uniform_, exponential_);
-  const int64_t bs = draft_token_ids_.size(0), k = draft_token_ids_.size(1);
-  const int64_t v = target_probs_.size(2);
-  const bool dense = draft_probs_.has_value();
-
   const at::Tensor ids_t = draft_token_ids_.contiguous(), p_t = target_probs_.contiguous(),
                    greedy_t = is_greedy_.contiguous(), u_t = uniform_.contiguous(),
                    e_t = exponential_.contiguous();
-  const at::Tensor q_t = dense ? draft_probs_->contiguous() : at::Tensor();
-  const int64_t* ids = ids_t.data_ptr<int64_t>();
-  const float* p = p_t.data_ptr<float>();
-  const float* q = dense ? q_t.data_ptr<float>() : nullptr;
-  const bool* greedy = greedy_t.data_ptr<bool>();
-  const float* u = u_t.data_ptr<float>();
-  const float* e = e_t.data_ptr<float>();
+  const at::Tensor q_t = draft_probs_.has_value() ? draft_probs_->contiguous() : at::Tensor();
+  const Inputs in{ids_t.size(0),
+                  ids_t.size(1),
+                  p_t.size(2),
+                  ids_t.data_ptr<int64_t>(),
+                  p_t.data_ptr<float>(),
+                  q_t.defined() ? q_t.data_ptr<float>() : nullptr,
+                  u_t.data_ptr<float>(),
+                  e_t.data_ptr<float>(),
+                  greedy_t.data_ptr<bool>()};
+  const int64_t bs = in.bs, k = in.k, v = in.v;
 
   // checks.rejection_sample_values, part 1: token ids, before anything indexes with them
-  checks::rejection_sample_ids(ids, bs, k, v);
+  checks::rejection_sample_ids(in.ids, bs, k, v);
 
-  // Phase 1 over rows [target rows | draft rows | exponential rows]
-  const int64_t n_target = bs * (k + 1), n_draft = dense ? bs * k : 0;
-  std::vector<uint8_t> status(n_target + n_draft + bs);
-  std::vector<int64_t> argmax(n_target);
-  at::parallel_for(0, static_cast<int64_t>(status.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      if (row < n_target) {
-        const float* x = p + row * v;
-        const RowScan s = greedy[row / (k + 1)] ? scan_row<true>(x, v) : scan_row<false>(x, v);
-        status[row] = prob_status(s);
-        argmax[row] = s.argmax;
-      } else if (row < n_target + n_draft) {
-        status[row] = prob_status(scan_row<false>(q + (row - n_target) * v, v));
-      } else {
-        const RowScan s = scan_row<false>(e + (row - n_target - n_draft) * v, v);
-        status[row] = s.finite && s.lo > 0 ? kOk : kNonFinite;
+  std::vector<int64_t> argmax(bs * (k + 1));  // greedy target rows' argmax, once computed
+  std::vector<Failure> failures(bs);
+  if (validate) {
+    // Phase 1 over rows [target rows | draft rows | exponential rows]
+    const int64_t n_target = bs * (k + 1), n_draft = in.q ? bs * k : 0;
+    std::vector<uint8_t> status(n_target + n_draft + bs);
+    at::parallel_for(0, static_cast<int64_t>(status.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        if (row < n_target) {
+          const float* x = in.p + row * v;
+          const RowScan s = in.greedy[row / (k + 1)] ? scan_row<true>(x, v) : scan_row<false>(x, v);
+          status[row] = prob_status(s);
+          argmax[row] = s.argmax;
+        } else if (row < n_target + n_draft) {
+          status[row] = prob_status(scan_row<false>(in.q + (row - n_target) * v, v));
+        } else {
+          const RowScan s = scan_row<false>(in.e + (row - n_target - n_draft) * v, v);
+          status[row] = s.finite && s.lo > 0 ? kOk : kNonFinite;
+        }
       }
-    }
-  });
-
-  // checks.rejection_sample_values, part 2, in the reference's order
-  auto check_probs = [&](const char* name, int64_t first, int64_t rows, int64_t per_seq) {
-    for (int64_t r = 0; r < rows; ++r)
-      RS_CHECK(status[first + r] == kOk, name, " row (sequence ", r / per_seq, ", position ",
-               r % per_seq, ") has ", status[first + r] == kNonFinite ? "NaN/Inf" : "negative",
-               " probabilities");
-  };
-  check_probs("target_probs", 0, n_target, k + 1);
-  check_probs("draft_probs", n_target, n_draft, k);
-  checks::rejection_sample_uniform(u, bs, k);
-  for (int64_t b = 0; b < bs; ++b)
-    RS_CHECK(status[n_target + n_draft + b] == kOk, "exponential row ", b,
-             " must be positive and finite (Exp(1) noise)");
+    });
+    // checks.rejection_sample_values, part 2, in the reference's order
+    for (int64_t r = 0; r < n_target; ++r)
+      if (status[r] != kOk)
+        fail_probs("target_probs", r / (k + 1), r % (k + 1), RowStatus(status[r]));
+    for (int64_t r = 0; r < n_draft; ++r)
+      if (status[n_target + r] != kOk)
+        fail_probs("draft_probs", r / k, r % k, RowStatus(status[n_target + r]));
+    checks::rejection_sample_uniform(in.u, bs, k);
+    for (int64_t b = 0; b < bs; ++b)
+      if (status[n_target + n_draft + b] != kOk) fail_noise(b);
+  } else {
+    checks::rejection_sample_uniform(in.u, bs, k);  // Bs x K values, all of which may be read
+  }
 
   // Phase 2 per sequence: about two rows of reads each, so a few sequences share one thread
   // (one sequence alone is not worth a fork-join)
@@ -212,36 +345,38 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
   int64_t* num_p = num_accepted.data_ptr<int64_t>();
   at::parallel_for(0, bs, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t* drafts = ids + b * k;
-      int64_t a = 0, token;
-      if (greedy[b]) {
-        const int64_t* targets = argmax.data() + b * (k + 1);
-        while (a < k && drafts[a] == targets[a]) ++a;
-        token = targets[a];
+      Failure* failure = validate ? nullptr : &failures[b];
+      Outcome o;
+      if (in.greedy[b]) {
+        const int64_t* drafts = in.ids + b * k;
+        int64_t* targets = argmax.data() + b * (k + 1);
+        for (int64_t& a = o.accepted;; ++a) {
+          if (!validate) {  // the argmax of the rows up to the first mismatch only
+            const RowScan s = scan_row<true>(in.p_row(b, a), v);
+            targets[a] = s.argmax;
+            if (prob_status(s) != kOk) {
+              *failure = {Failure::kTarget, a, prob_status(s)};
+              break;
+            }
+          }
+          if (a == k || drafts[a] != targets[a]) break;
+        }
+        o.token = targets[o.accepted];
       } else {
-        auto p_row = [&](int64_t i) { return p + (b * (k + 1) + i) * v; };
-        // float32 product, as in the reference (q = 1 for one-hot proposals)
-        while (a < k) {
-          const float coin = dense ? u[b * k + a] * q[(b * k + a) * v + drafts[a]] : u[b * k + a];
-          if (!(coin < p_row(a)[drafts[a]])) break;
-          ++a;
-        }
-        const float* e_row = e + b * v;
-        if (a < k) {
-          const Race r = dense ? race(p_row(a), q + (b * k + a) * v, -1, e_row, v)
-                               : race(p_row(a), nullptr, drafts[a], e_row, v);
-          token = r.positive ? r.token : race(p_row(a), nullptr, -1, e_row, v).token;
-        } else {
-          token = race(p_row(k), nullptr, -1, e_row, v).token;
-        }
+        o = sample(in, b, failure);
       }
-      int64_t* row = out_p + b * (k + 1);
-      std::copy(drafts, drafts + a, row);
-      row[a] = token;
-      std::fill(row + a + 1, row + k + 1, int64_t{-1});
-      num_p[b] = a;
+      write_row(in, b, o, out_p, num_p);
     }
   });
+  for (auto kind : {Failure::kTarget, Failure::kDraft, Failure::kNoise}) {
+    for (int64_t b = 0; b < bs; ++b) {
+      const Failure& f = failures[b];
+      if (f.kind != kind) continue;
+      if (kind == Failure::kNoise) fail_noise(b);
+      fail_probs(kind == Failure::kTarget ? "target_probs" : "draft_probs", b, f.position,
+                 f.status);
+    }
+  }
   return {out, num_accepted};
 }
 

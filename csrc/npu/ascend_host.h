@@ -4,6 +4,7 @@
 // kernel arguments. Everything here is device-agnostic ATen code; only the launch itself differs.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -19,6 +20,18 @@ template <typename... Parts>
 [[noreturn]] void fail(const char* op, const Parts&... parts) {
   TORCH_CHECK_VALUE(false, op, ": ", parts...);
   abort();  // unreachable: TORCH_CHECK_VALUE(false, ...) throws
+}
+
+// Every device-to-host copy the launchers make (on an NPU each one waits for the stream), counted
+// so that tests can see which calls make them (torch.ops.dflash_emu.host_copies).
+inline std::atomic<int64_t>& host_copies() {
+  static std::atomic<int64_t> copies{0};
+  return copies;
+}
+
+inline at::Tensor to_host(const at::Tensor& t) {
+  ++host_copies();
+  return t.cpu().contiguous();
 }
 
 // A kernel argument: the GM address of `t`, or nullptr for an absent optional tensor.
@@ -39,29 +52,31 @@ at::Tensor tiling_tensor(const T& tiling, const at::Device& device) {
 // ---------------------------------------------------------------------------------------------
 
 inline void check_probs(const char* op, const char* name, const at::Tensor& probs) {
-  at::Tensor bad = (~at::isfinite(probs) | (probs < 0)).any(-1).nonzero().cpu();
+  at::Tensor bad = to_host((~at::isfinite(probs) | (probs < 0)).any(-1).nonzero());
   if (bad.size(0) == 0) return;
   const int64_t b = bad[0][0].item<int64_t>(), i = bad[0][1].item<int64_t>();
-  const char* what = at::isfinite(probs[b][i]).all().item<bool>() ? "negative" : "NaN/Inf";
+  const bool finite = to_host(at::isfinite(probs[b][i]).all()).item<bool>();
+  const char* what = finite ? "negative" : "NaN/Inf";
   fail(op, name, " row (sequence ", b, ", position ", i, ") has ", what, " probabilities");
 }
 
-inline void check_rejection_sample(const at::Tensor& draft_token_ids,
-                                   const std::optional<at::Tensor>& draft_probs,
-                                   const at::Tensor& target_probs, const at::Tensor& is_greedy,
-                                   const at::Tensor& uniform, const at::Tensor& exponential) {
+// The value checks (token ids, probabilities, noise): they read device tensors back to the host,
+// so only a call with validate = true makes them.
+inline void check_rejection_sample_values(const at::Tensor& draft_token_ids,
+                                          const std::optional<at::Tensor>& draft_probs,
+                                          const at::Tensor& target_probs,
+                                          const at::Tensor& uniform,
+                                          const at::Tensor& exponential) {
   constexpr const char* op = "rejection_sample";
-  checks::rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                                exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1);
-  const at::Tensor ids = draft_token_ids.cpu().contiguous();
+  const at::Tensor ids = to_host(draft_token_ids);
   checks::rejection_sample_ids(ids.const_data_ptr<int64_t>(), bs, k, target_probs.size(2));
   // The probabilities stay on the device: reduce them there, copy back only the verdicts.
   check_probs(op, "target_probs", target_probs);
   if (draft_probs) check_probs(op, "draft_probs", *draft_probs);
-  const at::Tensor u = uniform.cpu().contiguous();
+  const at::Tensor u = to_host(uniform);
   checks::rejection_sample_uniform(u.const_data_ptr<float>(), bs, k);
-  at::Tensor bad = (~((exponential > 0) & at::isfinite(exponential))).any(-1).nonzero().cpu();
+  at::Tensor bad = to_host((~((exponential > 0) & at::isfinite(exponential))).any(-1).nonzero());
   if (bad.size(0))
     fail(op, "exponential row ", bad[0][0].item<int64_t>(),
          " must be positive and finite (Exp(1) noise)");
@@ -78,10 +93,13 @@ struct RejectionSampleLaunch {
 inline RejectionSampleLaunch prepare_rejection_sample(
     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
     const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
-    const at::Tensor& exponential, uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    const at::Tensor& exponential, bool validate, uint32_t cores, uint64_t ub_bytes = kUbBytes,
     uint32_t max_tile = 0) {
-  check_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                         exponential);
+  checks::rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                                exponential);
+  if (validate)
+    check_rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
+                                  exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1), v = target_probs.size(2);
   RejectionSampleLaunch l;
   l.tiling = rejection_sample_tiling(bs, k, v, draft_probs.has_value(), ub_bytes, max_tile);
@@ -134,7 +152,7 @@ inline ContextKvLaunch prepare_context_kv(
   checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                           k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                           value_caches, eps);
-  const at::Tensor pos = positions.cpu().contiguous(), slots = slot_mapping.cpu().contiguous();
+  const at::Tensor pos = to_host(positions), slots = to_host(slot_mapping);
   checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
                             pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
                             key_caches[0].size(1));
@@ -176,7 +194,8 @@ inline ContextKvLaunch prepare_context_kv(
   for (int64_t i = 0; i < layers; ++i) {
     for (int kind = 0; kind < 2; ++kind) {
       const at::Tensor& cache = kind == 0 ? key_caches[i] : value_caches[i];
-      entry[i][kind][0] = reinterpret_cast<int64_t>(cache.data_ptr());
+      // A device address as the kernel reads it back: pointer -> uintptr_t -> int64_t.
+      entry[i][kind][0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(cache.data_ptr()));
       entry[i][kind][1] = cache.stride(0);
       entry[i][kind][2] = cache.stride(1);
     }
@@ -197,8 +216,8 @@ inline std::pair<at::Tensor, at::Tensor> check_paged_attention(
     const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale) {
   checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
                                context_lens, cu_query_lens, scale);
-  const at::Tensor cu = cu_query_lens.cpu().contiguous(), ctx = context_lens.cpu().contiguous();
-  const at::Tensor table = block_table.cpu().contiguous();
+  const at::Tensor cu = to_host(cu_query_lens), ctx = to_host(context_lens);
+  const at::Tensor table = to_host(block_table);
   checks::paged_attention_values(query.size(0), key_cache.size(0), key_cache.size(1),
                                  table.const_data_ptr<int32_t>(), table.size(0), table.size(1),
                                  ctx.const_data_ptr<int32_t>(), cu.const_data_ptr<int32_t>());

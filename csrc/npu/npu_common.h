@@ -24,13 +24,17 @@ inline uint64_t ub_bytes() {
   return ub ? std::min(ub, kUbBytes) : kUbBytes;
 }
 
-// Queues `launch(stream)` on the current NPU stream through torch_npu's task queue.
+// Queues `launch(stream)` on the caller's current NPU stream through torch_npu's task queue. The
+// handler runs on the task queue's thread, where the current stream is that thread's own: the
+// stream is read here, in the calling thread (so `torch.npu.stream(s)` and graph capture see the
+// kernel on their stream), and captured.
 template <typename Launch>
 void run_on_stream(const char* name, Launch launch) {
+  void* stream = c10_npu::getCurrentNPUStream().stream(false);
   at_npu::native::OpCommand cmd;
   cmd.Name(name);
-  cmd.SetCustomHandler([launch]() -> int {
-    launch(c10_npu::getCurrentNPUStream().stream(false));
+  cmd.SetCustomHandler([launch, stream]() -> int {
+    launch(stream);
     return 0;
   });
   cmd.Run();

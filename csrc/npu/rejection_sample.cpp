@@ -12,10 +12,10 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> rejection_sample_npu(
     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
     const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
-    const at::Tensor& exponential) {
+    const at::Tensor& exponential, bool validate) {
   using namespace dflash::ascend;
   auto l = prepare_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                                    exponential, vector_cores(), ub_bytes());
+                                    exponential, validate, vector_cores(), ub_bytes());
   if (l.block_dim) {
     run_on_stream(
         "dflash::rejection_sample", [l](void* stream) {  // the copy keeps the tensors alive
