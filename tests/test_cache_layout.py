@@ -11,31 +11,31 @@ from dflash.testing import context_kv_inputs
 NB, BS, HKV, D = 5, 16, 2, 32
 
 
-def transposed_k_write(key, value, cache, slots):
-    """A write in vLLM's CPU layout, [num_blocks, Hkv, block_size, 2 * D] per layer: K of each
-    (block, head) stored as [D, block_size], V as [block_size, D] (written from its description,
-    with plain indexing)."""
-    nb, hkv, bs, _ = cache.shape
-    d = key.shape[-1]
-    flat = cache.view(nb, hkv, 2, bs * d)
-    for t, slot in enumerate(slots.tolist()):
-        b, o = divmod(slot, bs)
-        for h in range(hkv):
-            flat[b, h, 0].view(d, bs)[:, o] = key[t, h]
-            flat[b, h, 1].view(bs, d)[o] = value[t, h]
+def block_write(store_k):
+    """A cache write over [num_blocks, Hkv, block_size, 2 * D] per layer: K of each (block, head)
+    in the first block_size * D values as `store_k` places it, V row-major [block_size, D] after
+    it (written from the description of vLLM's CPU layout, with plain indexing)."""
+    def write(key, value, cache, slots):
+        nb, hkv, bs, _ = cache.shape
+        d = key.shape[-1]
+        flat = cache.view(nb, hkv, 2, bs * d)
+        for t, slot in enumerate(slots.tolist()):
+            b, offset = divmod(slot, bs)
+            for h in range(hkv):
+                store_k(flat[b, h, 0], offset, key[t, h], bs)
+                flat[b, h, 1].view(bs, d)[offset] = value[t, h]
+    return write
 
 
-def packed_write(key, value, cache, slots):
-    """A non-affine layout: dims of each K row stored in pairs swapped with the slot order."""
-    nb, hkv, bs, _ = cache.shape
-    d = key.shape[-1]
-    flat = cache.view(nb, hkv, 2, bs * d)
-    for t, slot in enumerate(slots.tolist()):
-        b, o = divmod(slot, bs)
-        for h in range(hkv):
-            k = flat[b, h, 0].view(d // 2, bs, 2)
-            k[:, o, :] = key[t, h].view(d // 2, 2)
-            flat[b, h, 1].view(bs, d)[o] = value[t, h]
+def _transposed(k, offset, row, bs):   # vLLM's CPU layout: K as [D, block_size]
+    k.view(-1, bs)[:, offset] = row
+
+
+def _paired(k, offset, row, bs):       # not affine: dims in pairs, [D / 2, block_size, 2]
+    k.view(-1, bs, 2)[:, offset] = row.view(-1, 2)
+
+
+transposed_k_write, packed_write = block_write(_transposed), block_write(_paired)
 
 
 def test_probe_finds_the_transposed_k_layout():
