@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install demo test test-slow lint
+.PHONY: install demo test test-slow test-vllm lint
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 install:
@@ -18,6 +18,11 @@ test: install
 
 test-slow: install
 	$(PYTHON) -m pytest -q -m slow
+
+# vLLM in its own venv (.venv-vllm), never in this environment; see docs/vllm.md
+test-vllm:
+	.ci/vllm-env .venv-vllm
+	.venv-vllm/bin/python -m pytest -q -m vllm
 
 lint:
 	ruff check .

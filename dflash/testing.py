@@ -24,7 +24,9 @@ def context_kv_inputs(n=5, d_in=48, h=32, layers=2, hkv=2, d=16, num_blocks=6, b
                       with_fc=True, with_bias=False, dtype=torch.float32, stacked=False,
                       skip_every=0, seed=0) -> dict:
     """Caches hold NaN; `stacked`: False = one tensor per cache, True = views of one
-    [2, L, num_blocks, ...] tensor, "block_major" = views of one [num_blocks, L, 2, ...] tensor."""
+    [2, L, num_blocks, ...] tensor, "block_major" = views of one [num_blocks, L, 2, ...] tensor,
+    "vllm_cpu" = per layer views of one [num_blocks, Hkv, 2 * block_size, D] tensor with K
+    transposed inside each block (head_dim stride block_size), as vLLM's CPU attention keeps it."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     rows = layers * 2 * hkv * d
@@ -32,7 +34,14 @@ def context_kv_inputs(n=5, d_in=48, h=32, layers=2, hkv=2, d=16, num_blocks=6, b
     if skip_every:
         slots[::skip_every] = -1
     cache_shape = (num_blocks, block_size, hkv, d)
-    if stacked == "block_major":   # [num_blocks, L, 2, ...]: each cache is a strided view
+    if stacked == "vllm_cpu":
+        kv = [torch.full((num_blocks, hkv, 2, block_size * d), float("nan"), dtype=dtype)
+              for _ in range(layers)]
+        key_caches = [c[:, :, 0].view(num_blocks, hkv, d, block_size).permute(0, 3, 1, 2)
+                      for c in kv]
+        value_caches = [c[:, :, 1].view(num_blocks, hkv, block_size, d).transpose(1, 2)
+                        for c in kv]
+    elif stacked == "block_major":   # [num_blocks, L, 2, ...]: each cache is a strided view
         kv = torch.full((num_blocks, layers, 2, *cache_shape[1:]), float("nan"), dtype=dtype)
         key_caches, value_caches = list(kv[:, :, 0].unbind(1)), list(kv[:, :, 1].unbind(1))
     elif stacked:                  # [2, L, ...]: each cache is a contiguous slice

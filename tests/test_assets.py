@@ -4,7 +4,8 @@ import json
 
 from dflash import assets
 
-MAX_BYTES = 40 << 20
+# the weights in bf16 plus the draft vocabulary's lm_head rows in float32 (the target's own values)
+MAX_BYTES = 48 << 20
 
 
 def test_bundled_draft_is_complete_and_small():
@@ -12,6 +13,11 @@ def test_bundled_draft_is_complete_and_small():
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["block_size"] == 16
+    # the fields vLLM and SGLang read for a reduced draft vocabulary (docs/design.md section 2)
+    assert config["draft_vocab_size"] == 8192 and config["vocab_size"] == 49152
+    assert config["num_target_layers"] == 30
+    assert config["layer_types"] == ["full_attention"] * config["num_hidden_layers"]
+    assert not (path / "draft_vocab.json").exists()
     total = sum(f.stat().st_size for f in path.iterdir())
     assert total <= MAX_BYTES
     card = (path / "README.md").read_text()

@@ -71,7 +71,7 @@ def assert_caches_match(expected: dict, actual: dict, exact_v: bool = True) -> N
 
 SHAPES = list(itertools.product((1, 2, 5), (1, 2, 8), (64, 128), (1, 16, 300)))   # L, Hkv, D, N
 VARIANTS = list(itertools.product(                       # fc, bias, cache layout, dtype
-    (True, False), (False, True), (False, True, "block_major"),
+    (True, False), (False, True), (False, True, "block_major", "vllm_cpu"),
     (torch.float32, torch.bfloat16, torch.float16)))
 # The default run gives every shape one variant, cycling through all of them (each variant meets
 # one or two shapes); `-m slow` runs the full product.
@@ -176,12 +176,9 @@ def test_weights_that_require_grad_leave_the_caches_out_of_autograd():
 
 def _bad_cases():
     k = context_kv_inputs()
-    transposed = torch.full((6, 4, 16, 2), float("nan")).transpose(2, 3)   # head_dim stride 2
     last = k["slot_mapping"].clone()
     last[-1] = 6 * 4
     return [
-        ("key_caches\\[1\\] has strides \\[128, 32, 1, 2\\]; the CPU kernel needs a contiguous "
-         "head_dim", dict(key_caches=[k["key_caches"][0], transposed])),
         ("expected 2 key and value caches .* got 1 key and 2 value caches",
          dict(key_caches=k["key_caches"][:1])),
         ("slot_mapping\\[4\\] = 24 is out of range for a cache of 6 blocks x 4 slots "

@@ -177,7 +177,8 @@ def test_draft_vocabulary_limits_proposals_and_stays_lossless(models, baseline, 
     shutil.copytree(draft, tmp_path / "draft")
     vocab = list(range(0, 96, 2))
     (tmp_path / "draft" / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
-    llm = LLM(target, tmp_path / "draft", dtype="float32", max_num_seqs=4)
+    # fixed: every step drafts (the adaptive planner may skip every draft on a loaded host)
+    llm = LLM(target, tmp_path / "draft", dtype="float32", max_num_seqs=4, speculation="fixed")
     proposed = []
     llm.proposer = lambda inputs: proposed.append(llm.worker.run_decode_draft(inputs)) or \
         proposed[-1]

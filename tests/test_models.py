@@ -277,13 +277,65 @@ def test_saved_draft_round_trips_to_the_same_tensors(tmp_path, tiny_target):
     target_dir, target = tiny_target
     original = make_tiny_draft(tmp_path / "a", target_dir, num_layers=3, attention_bias=True,
                                shards=2)
-    save_draft(load_draft(tmp_path / "a", target.cfg, dtype=torch.float32), tmp_path / "b", 64,
-               dtype=torch.float32)
+    save_draft(load_draft(tmp_path / "a", target.cfg, dtype=torch.float32), tmp_path / "b",
+               target, dtype=torch.float32)
     saved = load_file(tmp_path / "b" / "model.safetensors")
     assert sorted(saved) == sorted(original)
     assert all(torch.equal(saved[k], original[k]) for k in original)
     assert load_draft(tmp_path / "b", target.cfg).cfg.target_layer_ids == \
         load_draft(tmp_path / "a", target.cfg).cfg.target_layer_ids
+
+
+def test_draft_vocabulary_is_exported_as_vllm_reads_it(tmp_path, tiny_target):
+    """draft_vocab_size + lm_head [N, H] + d2t (target id - draft id, int64), as vLLM's
+    qwen3_dflash loader and SGLang read it; dflash reads it back, and older draft_vocab.json
+    exports still load."""
+    from safetensors.torch import load_file
+
+    from dflash.models.loader import save_draft
+    target_dir, target = tiny_target
+    make_tiny_draft(tmp_path / "a", target_dir, num_layers=2)
+    vocab = [90, 3, 17, 5, 64]
+    (tmp_path / "a" / "draft_vocab.json").write_text(json.dumps({"token_ids": vocab}))
+    old = load_draft(tmp_path / "a", target.cfg, dtype=torch.float32)
+    assert old.draft_vocab.tolist() == vocab and old.lm_head is None
+    save_draft(old, tmp_path / "b", target, dtype=torch.float32)
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 5 and config["vocab_size"] == target.cfg.vocab_size
+    assert config["num_target_layers"] == target.cfg.num_layers
+    assert config["layer_types"] == ["full_attention"] * 2
+    tensors = load_file(tmp_path / "b" / "model.safetensors")
+    assert tensors["d2t"].dtype == torch.int64
+    assert (tensors["d2t"] + torch.arange(5)).tolist() == vocab
+    assert torch.equal(tensors["lm_head.weight"], target.output_embedding[vocab])
+    assert not (tmp_path / "b" / "draft_vocab.json").exists()
+    new = load_draft(tmp_path / "b", target.cfg, dtype=torch.float32)
+    assert new.draft_vocab.tolist() == vocab
+    assert torch.equal(new.lm_head, target.output_embedding[vocab])
+
+
+@pytest.mark.parametrize("tensor, value, pattern", [
+    ("d2t", torch.tensor([0, 0, 94, 0, 0]), "distinct target ids in \\[0, 96\\)"),
+    ("d2t", torch.tensor([0, 0, 0, 0, 0, 0]), "'d2t' has shape \\[6\\], expected \\[5\\]"),
+    ("lm_head.weight", None, "draft_vocab_size is 5 but the checkpoint has no 'lm_head.weight'"),
+])
+def test_bad_reduced_vocabulary_is_an_error_naming_it(tmp_path, tiny_target, tensor, value,
+                                                      pattern):
+    from safetensors.torch import load_file, save_file
+    target_dir, target = tiny_target
+    make_tiny_draft(tmp_path, target_dir, num_layers=1)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["d2t"] = torch.zeros(5, dtype=torch.int64)
+    tensors["lm_head.weight"] = torch.zeros(5, target.cfg.attn.hidden_size)
+    if value is None:
+        del tensors[tensor]
+    else:
+        tensors[tensor] = value
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 5}))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_draft(tmp_path, target.cfg)
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),

@@ -88,6 +88,7 @@ void epilogue(const at::Tensor& kv, const std::vector<float>& k_norm_weight, int
       std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(layers * head_row, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> k(head_row);
+    std::vector<T> k_rounded(d);
     for (int64_t t = begin; t < end; ++t) {
       if (!store[t]) continue;
       const float* cos = cos_sin + pos[t] * d;
@@ -100,8 +101,13 @@ void epilogue(const at::Tensor& kv, const std::vector<float>& k_norm_weight, int
         load_row(k_src, k.data(), head_row);
         for (int64_t h = 0; h < hkv; ++h) {
           norm_rope_head(k.data() + h * d, wk + l * d, cos, sin, d, feps);
-          at::vec::convert(k.data() + h * d, k_dst + h * kc[l].head_stride, d);
-          std::memcpy(v_dst + h * vc[l].head_stride, v_src + h * d, d * sizeof(T));
+          if (kc[l].dim_stride == 1) {
+            at::vec::convert(k.data() + h * d, k_dst + h * kc[l].head_stride, d);
+          } else {
+            at::vec::convert(k.data() + h * d, k_rounded.data(), d);
+            kc[l].store_head(k_rounded.data(), k_dst + h * kc[l].head_stride, d);
+          }
+          vc[l].store_head(v_src + h * d, v_dst + h * vc[l].head_stride, d);
         }
       }
     }
@@ -121,13 +127,8 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
   checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
                             pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
                             key_caches[0].size(1));
-  for (const auto& [name, caches] : {std::pair{"key_caches", key_caches},
-                                     std::pair{"value_caches", value_caches}}) {
-    for (size_t i = 0; i < caches.size(); ++i)
-      check_cache_layout("context_kv", std::string(name) + "[" + std::to_string(i) + "]",
-                         caches[i]);
-  }
-
+  // Any strides, head_dim included (CacheView::store_head): the caches are written in place in
+  // whatever layout their owner reads.
   // The GEMMs and reductions below are internal: keep autograd out even for weights that
   // require grad.
   at::AutoDispatchBelowADInplaceOrView guard;

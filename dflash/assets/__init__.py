@@ -56,3 +56,31 @@ def bundled_draft() -> Path:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"the bundled draft is missing from {path}")
     return path
+
+
+def smollm2_hf_target(directory: Path | None = None) -> Path:
+    """The bundled target as a Hugging Face safetensors directory (float32, the GGUF's weights
+    dequantized exactly as dflash loads them), for engines that read no GGUF (vLLM, transformers
+    without accelerate). Written once under `directory` (default: cache_dir())."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from ..models.loader import read_gguf
+
+    target = (directory or cache_dir()) / "smollm2-135m-instruct-hf"
+    if (target / "config.json").exists():
+        return target
+    gguf_path = smollm2_target(directory)
+    cfg, ckpt = read_gguf(gguf_path)
+    partial = target.with_name(target.name + ".part")
+    partial.mkdir(parents=True, exist_ok=True)
+    save_file({name: ckpt.get(name).contiguous() for name in ckpt.tensors},
+              str(partial / "model.safetensors"))
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name) \
+        .save_pretrained(str(partial))
+    cfg = {**cfg, "model_type": "llama", "torch_dtype": "float32"}
+    (partial / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    partial.rename(target)   # never leave a half-written directory behind
+    return target

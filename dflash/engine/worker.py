@@ -71,7 +71,8 @@ class Worker:
         self.capture = () if draft is None else draft.cfg.target_layer_ids
         vocab = None if draft is None else draft.draft_vocab
         # the rows of the lm_head the draft may propose (None: all of them, via target.logits)
-        self.draft_head = None if vocab is None else pack_linear_weight(target.output_rows(vocab))
+        self.draft_head = None if vocab is None else pack_linear_weight(
+            target.output_rows(vocab) if draft.lm_head is None else draft.lm_head)
         self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
         self.prefill_seconds = 0.0   # time spent in prefill (benchmarks report it separately)

@@ -76,6 +76,9 @@ class DFlashDraft(nn.Module):
         # Optional draft vocabulary (token ids the draft may propose): the draft's logits then
         # cost a fraction of the full lm_head. Proposals stay valid; verification is unchanged.
         self.draft_vocab: torch.Tensor | None = None
+        # the draft's own output rows for that vocabulary [N, H] when its checkpoint ships them
+        # (else the engine takes the target's lm_head rows)
+        self.lm_head: torch.Tensor | None = None
         self.packed_kv: list[torch.Tensor] = []   # see pack_weights
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

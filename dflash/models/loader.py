@@ -21,7 +21,9 @@ from .draft import DFlashDraft
 from .parallel import COLS, EXPERTS, RANK0, ROWS, VOCAB, TensorParallel, check_config
 from .target import TargetModel
 
-DRAFT_VOCAB_FILE = "draft_vocab.json"   # optional, dflash-specific; other loaders ignore it
+# Older dflash exports kept the draft vocabulary in this file (other engines ignore it); drafts
+# are now exported the way vLLM and SGLang read a reduced vocabulary (docs/design.md section 2).
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 class CheckpointError(ValueError):
@@ -340,19 +342,48 @@ def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu") -> DFlashDraft:
     """A DFlashDraftModel directory, validated against its target (docs/design.md section 2)."""
     path = _resolve(path)
-    cfg = DraftConfig.from_hf(read_config(path), target)
+    config = read_config(path)
+    cfg = DraftConfig.from_hf(config, target)
     model = DFlashDraft(cfg, target.attn.hidden_size)
-    assemble(model, draft_recipe(cfg, target.attn.hidden_size), SafetensorsCheckpoint(path),
-             str(path), dtype, torch.device(device))
+    ckpt = SafetensorsCheckpoint(path)
+    assemble(model, draft_recipe(cfg, target.attn.hidden_size), ckpt, str(path), dtype,
+             torch.device(device))
     vocab_file = path / DRAFT_VOCAB_FILE
-    if vocab_file.exists():
+    if config.get("draft_vocab_size") is not None:
+        model.draft_vocab, model.lm_head = _reduced_vocabulary(config, ckpt, target, path, dtype)
+    elif vocab_file.exists():
         ids = json.loads(vocab_file.read_text()).get("token_ids")
         if not ids or len(set(ids)) != len(ids) or \
                 not all(isinstance(i, int) and 0 <= i < target.vocab_size for i in ids):
             raise CheckpointError(f"{vocab_file}: token_ids must be distinct ids in "
                                   f"[0, {target.vocab_size})")
-        model.draft_vocab = torch.tensor(ids, device=device)
+        model.draft_vocab = torch.tensor(ids)
+    if model.draft_vocab is not None:
+        model.draft_vocab = model.draft_vocab.to(device)
+        model.lm_head = None if model.lm_head is None else model.lm_head.to(device)
     return model.eval()
+
+
+def _reduced_vocabulary(config: dict, ckpt, target: TargetConfig, path: Path,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(draft vocabulary [N] target ids, lm_head [N, H]) of a draft exported the EAGLE-3 way:
+    `draft_vocab_size` N in config.json, `d2t` (target id - draft id) and `lm_head.weight`."""
+    n, h = config["draft_vocab_size"], target.attn.hidden_size
+    if not isinstance(n, int) or not 0 < n <= target.vocab_size:
+        raise ConfigError(f"draft draft_vocab_size {n!r} must be an integer in "
+                          f"[1, {target.vocab_size}] (the target's vocabulary)")
+    for name, shape in (("d2t", (n,)), ("lm_head.weight", (n, h))):
+        if name not in ckpt:
+            raise CheckpointError(f"{path}: draft_vocab_size is {n} but the checkpoint has no "
+                                  f"{name!r}")
+        if ckpt.shape(name) != shape:
+            raise CheckpointError(f"{path}: {name!r} has shape {list(ckpt.shape(name))}, "
+                                  f"expected {list(shape)}")
+    ids = torch.arange(n) + ckpt.get("d2t").long()
+    if ids.min() < 0 or ids.max() >= target.vocab_size or len(ids.unique()) != n:
+        raise CheckpointError(f"{path}: d2t must map the {n} draft ids to distinct target ids "
+                              f"in [0, {target.vocab_size})")
+    return ids, ckpt.get("lm_head.weight").to(dtype)
 
 
 def load_tokenizer(path):
@@ -388,10 +419,14 @@ def disassemble(model: torch.nn.Module, recipe: dict[str, Source]) -> dict[str, 
     return out
 
 
-def save_draft(draft: DFlashDraft, directory, target_hidden: int, extra_config: dict | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write `draft` as a DFlashDraftModel checkpoint (docs/design.md section 2): config.json +
-    model.safetensors with per-layer k_proj / v_proj / k_norm and no `model.` prefix."""
+def save_draft(draft: DFlashDraft, directory, target: TargetModel,
+               extra_config: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write `draft` as a DFlashDraftModel checkpoint that dflash, vLLM and SGLang read unchanged
+    (docs/design.md section 2): config.json (z-lab's `dflash_config`, the target's `vocab_size`
+    and `num_target_layers`, `layer_types`) + model.safetensors with per-layer k_proj / v_proj /
+    k_norm and no `model.` prefix. A draft vocabulary of N tokens adds `draft_vocab_size` N and
+    the tensors `lm_head.weight` [N, H] (its rows of the target's lm_head unless the draft has
+    its own) and `d2t` [N] int64 (target id - draft id)."""
     from safetensors.torch import save_file
 
     cfg = draft.cfg
@@ -399,8 +434,7 @@ def save_draft(draft: DFlashDraft, directory, target_hidden: int, extra_config: 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype) for k, v in
-               disassemble(draft, draft_recipe(cfg, target_hidden)).items()}
-    save_file(tensors, str(directory / "model.safetensors"))
+               disassemble(draft, draft_recipe(cfg, target.cfg.attn.hidden_size)).items()}
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": a.hidden_size, "num_hidden_layers": cfg.num_layers,
@@ -410,13 +444,20 @@ def save_draft(draft: DFlashDraft, directory, target_hidden: int, extra_config: 
         "max_position_embeddings": a.max_position_embeddings,
         "attention_bias": a.attention_bias, "hidden_act": "silu", "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        "vocab_size": target.cfg.vocab_size, "num_target_layers": target.cfg.num_layers,
+        "layer_types": ["full_attention"] * cfg.num_layers,
         "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
                           "target_layer_ids": list(cfg.target_layer_ids)},
         **(extra_config or {}),
     }
+    if draft.draft_vocab is not None:
+        vocab = draft.draft_vocab.cpu()
+        head = draft.lm_head if draft.lm_head is not None else target.output_rows(draft.draft_vocab)
+        config["draft_vocab_size"] = len(vocab)
+        tensors["lm_head.weight"] = head.detach().cpu().contiguous()   # the rows as they are
+        tensors["d2t"] = vocab - torch.arange(len(vocab))
     if a.rope_scaling is not None:
         config["rope_scaling"] = {"rope_type": "llama3", **a.rope_scaling}
+    save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if draft.draft_vocab is not None:
-        (directory / DRAFT_VOCAB_FILE).write_text(
-            json.dumps({"token_ids": draft.draft_vocab.tolist()}) + "\n")
+    (directory / DRAFT_VOCAB_FILE).unlink(missing_ok=True)   # superseded by d2t

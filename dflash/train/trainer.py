@@ -252,7 +252,7 @@ class Trainer:
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "checkpoint.pt")
-        save_draft(self.draft, self.out / "draft", self.target.cfg.attn.hidden_size,
+        save_draft(self.draft, self.out / "draft", self.target,
                    extra_config={"dflash_training": {"step": self.step,
                                                      "elapsed_s": round(self.elapsed)}})
         (self.out / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.log))
