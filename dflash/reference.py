@@ -36,8 +36,11 @@ def rope_neox(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
 
 def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
-               positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps) -> None:
-    """Write the draft's context K/V of N tokens into each layer's paged cache (design 3.1)."""
+               positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps,
+               validate: bool = True) -> None:
+    """Write the draft's context K/V of N tokens into each layer's paged cache (design 3.1).
+
+    The specification checks every index whatever `validate` says (it reads them anyway)."""
     checks.context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                            k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                            value_caches, eps)
@@ -71,10 +74,11 @@ def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: i
 
 
 def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
-                    cu_query_lens, scale, causal) -> torch.Tensor:
+                    cu_query_lens, scale, causal, validate: bool = True) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context plus the new tokens.
 
-    Returns [Tq, Hq, D] in the query dtype (docs/design.md 3.2).
+    Returns [Tq, Hq, D] in the query dtype (docs/design.md 3.2). Every index is checked whatever
+    `validate` says, as in context_kv.
     """
     checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
                                 context_lens, cu_query_lens, scale, causal)
