@@ -29,7 +29,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "qkv_rope_cache(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, Tensor cos_sin, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads, "
-      "float eps) -> (Tensor, Tensor, Tensor)");
+      "float eps, bool validate=True) -> (Tensor, Tensor, Tensor)");
   m.def("panel_linear(Tensor x, Tensor weight_panels, Tensor? bias) -> Tensor");
 }
 

@@ -131,7 +131,7 @@ def _rope_fake(x, cos_sin):
 
 @torch.library.register_fake("dflash::qkv_rope_cache")
 def _qkv_rope_cache_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
-                         slot_mapping, num_heads, eps):
+                         slot_mapping, num_heads, eps, validate=True):
     checks.qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
                                value_cache, slot_mapping, num_heads, eps)
     t, (hkv, d) = qkv.shape[0], key_cache.shape[2:]

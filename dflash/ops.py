@@ -153,7 +153,7 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
                    k_norm_weight: torch.Tensor | None, cos_sin: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   num_heads: int, eps: float = 1e-6
+                   num_heads: int, eps: float = 1e-6, validate: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention's input in one pass: heads out of the fused QKV projection, the optional
     per-head q/k RMSNorm (Qwen3), RoPE, and the new tokens' K/V written to the paged caches.
@@ -165,13 +165,15 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
         key_cache, value_cache: [num_blocks, block_size, Hkv, D] in qkv's dtype, written in place.
         slot_mapping: [T] int64, slot = block * block_size + offset, or -1 (not stored).
         num_heads: Hq.
+        validate: True checks every slot; False, for a checked step plan, skips that where it
+            costs a device-to-host copy (the PyTorch reference, which serves other devices).
 
     Returns:
         q [T, Hq, D], k [T, Hkv, D] (normed and rotated, float32 math rounded once) and v
         [T, Hkv, D], contiguous, in qkv's dtype.
     """
     return torch.ops.dflash.qkv_rope_cache(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
-                                           value_cache, slot_mapping, num_heads, eps)
+                                           value_cache, slot_mapping, num_heads, eps, validate)
 
 
 to_panels, from_panels = reference.to_panels, reference.from_panels

@@ -10,7 +10,7 @@ import torch
 from ascend_emu import ops as emu_ops
 
 import dflash.ops
-from dflash import LLM, SamplingParams
+from dflash import LLM, SamplingParams, checks, reference
 from dflash.engine import LLMEngine
 from dflash.models.layers import build_metadata
 from dflash.testing import CharTokenizer, make_tiny_draft, make_tiny_target
@@ -51,13 +51,32 @@ def models(tmp_path_factory):
     return root / "target", root / "draft"
 
 
+class Emulated:
+    """The ops as an NPU build serves them: the three fused ops by the emulated Ascend launchers,
+    qkv_rope_cache by the PyTorch reference (it has no NPU kernel). `host_copies()` counts the
+    launchers' device-to-host copies and the reference's slot checks (one copy each on a
+    device)."""
+
+    def __init__(self, emu, monkeypatch):
+        self.emu, self.slot_checks = emu, 0
+        for name in ("context_kv", "paged_attention", "rejection_sample"):
+            monkeypatch.setattr(dflash.ops, name, getattr(emu, name))
+        monkeypatch.setattr(dflash.ops, "qkv_rope_cache", reference.qkv_rope_cache)
+        check = checks.slot_mapping_values
+
+        def counted(*args):
+            self.slot_checks += 1
+            return check(*args)
+        monkeypatch.setattr(checks, "slot_mapping_values", counted)
+
+    def host_copies(self):
+        return self.emu.host_copies() + self.slot_checks
+
+
 @pytest.fixture
 def emulated_npu(monkeypatch):
-    """The engine's three fused ops served by the emulated Ascend launchers."""
     emu = emu_ops()
-    for name in ("context_kv", "paged_attention", "rejection_sample"):
-        monkeypatch.setattr(dflash.ops, name, getattr(emu, name))
-    yield emu
+    yield Emulated(emu, monkeypatch)
     emu.configure(8, 0, 0)
 
 
@@ -98,8 +117,8 @@ def test_decode_steps_make_no_host_copies(models, emulated_npu):
     assert unchecked == outputs   # same seeds, same tokens
     layers = llm.target.cfg.num_layers + llm.draft.cfg.num_layers
     # 3 per paged_attention call (cu_query_lens, context_lens, block_table), 2 per context_kv
-    # call (positions, slots); the last steps may draft for fewer requests, never for none here
-    assert copies_unchecked[0] == 3 * layers + 2
+    # call (positions, slots), 1 per qkv_rope_cache call (slots, in every target layer)
+    assert copies_unchecked[0] == 3 * layers + 2 + llm.target.cfg.num_layers
 
 
 def test_emulated_kernels_decode_what_the_cpu_kernels_decode(models, emulated_npu, monkeypatch):
