@@ -6,8 +6,9 @@
 // block enumerates them itself from cu_query_lens (sequence by sequence) and takes every
 // GetBlockNum()-th one: the launch needs no value of the step's lengths on the host, so it makes
 // no device-to-host copy and can be captured in a graph (docs/design.md 3.2). The item's keys
-// (cached ones through the block table, then the new tokens' own K/V) stream through the UB in chunks of at most kv_tile rows that never cross a cache
-// block, double-buffered: the next chunk's DMA is issued before this chunk is processed.
+// (cached ones through the block table, then the new tokens' own K/V) stream through the UB in
+// chunks of at most kv_tile rows that never cross a cache block, double-buffered: the next
+// chunk's DMA is issued before this chunk is processed.
 //
 // Per query row and chunk, in float32 (online softmax): scores s = (q . k_j) * scale by Mul and a
 // row-wise Sum; m' = max(m, s) with the old running max m in an extra score lane, so that one Exp
