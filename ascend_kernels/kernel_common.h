@@ -53,6 +53,8 @@ class CarriedFlag {
 // DMA into the UB writes whole 32-byte blocks, so buffers are sized in them.
 __aicore__ inline uint32_t Align32(uint32_t bytes) { return (bytes + 31) / 32 * 32; }
 
+__aicore__ inline uint32_t Min(uint32_t a, uint32_t b) { return a < b ? a : b; }
+
 // Tiling structs hold 32-bit words only; scalar loads copy them out of GM.
 template <typename T>
 __aicore__ inline void LoadTiling(T& tiling, GM_ADDR src) {

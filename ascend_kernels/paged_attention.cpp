@@ -1,9 +1,11 @@
 // Ascend C kernel: paged attention of each sequence's new tokens over its cached context followed
 // by the new tokens themselves (docs/design.md 3.2), causal or not, on the vector cores.
 //
-// Work items (from the host's work table, grid-strided over the blocks) are (sequence, kv head,
-// query tile): up to q_tile query positions times the query heads of one GQA group, so every K/V
-// row loaded serves all of them. The item's keys (cached ones through the block table, then the new
+// Work items are (sequence, kv head, query tile, head tile): up to q_tile query positions times up
+// to head_tile query heads of one GQA group, so every K/V row loaded serves all of them. Every
+// block enumerates them itself from cu_query_lens (sequence by sequence) and takes every
+// GetBlockNum()-th one: the launch needs no value of the step's lengths on the host, so it makes
+// no device-to-host copy and can be captured in a graph (docs/design.md 3.2). The item's keys (cached ones through the block table, then the new
 // tokens' own K/V) stream through the UB in chunks of at most kv_tile rows that never cross a cache
 // block, double-buffered: the next chunk's DMA is issued before this chunk is processed.
 //
@@ -44,9 +46,8 @@ class PagedAttention {
  public:
   __aicore__ inline void Init(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache,
                               GM_ADDR value_cache, GM_ADDR block_table, GM_ADDR context_lens,
-                              GM_ADDR cu_query_lens, GM_ADDR work, GM_ADDR out, GM_ADDR tiling) {
+                              GM_ADDR cu_query_lens, GM_ADDR out, GM_ADDR tiling) {
     dflash_kernels::LoadTiling(t_, tiling);
-    work_ = work;
     pad_ = t_.head_pad;
     rowStride_ = t_.kv_heads * t_.head_dim;
     query_.SetGlobalBuffer((__gm__ T*)query);
@@ -78,19 +79,28 @@ class PagedAttention {
   }
 
   __aicore__ inline void Process() {
-    for (uint32_t i = AscendC::GetBlockIdx(); i < t_.items; i += AscendC::GetBlockNum()) {
-      dflash_kernels::LoadTiling(item_, work_ + i * sizeof(PagedAttentionItem));  // 32-bit words
-      seqStart_ = static_cast<uint32_t>(cuQueryLens_.GetValue(item_.seq));
-      context_ = static_cast<uint32_t>(contextLens_.GetValue(item_.seq));
-      const uint32_t newTokens = static_cast<uint32_t>(cuQueryLens_.GetValue(item_.seq + 1)) -
-                                 seqStart_;
-      // causal: the item's last position sees keys up to the context plus itself
-      keyEnd_ = context_ + (t_.causal ? item_.q0 + item_.qn : newTokens);
-      rows_ = item_.qn * item_.hn;
-      outputWritten_.Wait();  // it read rawBuf_ / oBuf_
-      LoadQueries();
-      Attend();
-      WriteOutput();
+    const uint32_t block = AscendC::GetBlockIdx(), blocks = AscendC::GetBlockNum();
+    uint32_t item = 0;  // index of the next work item in the enumeration order
+    for (uint32_t seq = 0; seq < t_.batch; ++seq) {
+      seqStart_ = static_cast<uint32_t>(cuQueryLens_.GetValue(seq));
+      const uint32_t newTokens = static_cast<uint32_t>(cuQueryLens_.GetValue(seq + 1)) - seqStart_;
+      context_ = static_cast<uint32_t>(contextLens_.GetValue(seq));
+      for (uint32_t q0 = 0; q0 < newTokens; q0 += t_.q_tile) {
+        for (uint32_t g = 0; g < t_.kv_heads; ++g) {
+          for (uint32_t h0 = 0; h0 < t_.group; h0 += t_.head_tile, ++item) {
+            if (item % blocks != block) continue;
+            item_ = {seq, g, q0, dflash_kernels::Min(t_.q_tile, newTokens - q0), h0,
+                     dflash_kernels::Min(t_.head_tile, t_.group - h0)};
+            // causal: the item's last position sees keys up to the context plus itself
+            keyEnd_ = context_ + (t_.causal ? item_.q0 + item_.qn : newTokens);
+            rows_ = item_.qn * item_.hn;
+            outputWritten_.Wait();  // it read rawBuf_ / oBuf_
+            LoadQueries();
+            Attend();
+            WriteOutput();
+          }
+        }
+      }
     }
     outputWritten_.Release(pipe_);
   }
@@ -277,7 +287,6 @@ class PagedAttention {
 
   PagedAttentionTiling t_;
   PagedAttentionItem item_;
-  GM_ADDR work_;
   uint32_t pad_, rowStride_, seqStart_, context_, keyEnd_, rows_;
   float max_[kPagedAttentionMaxRows], sum_[kPagedAttentionMaxRows];
   AscendC::TPipe pipe_;
@@ -296,11 +305,11 @@ template <typename T>
 __aicore__ inline void RunPagedAttention(GM_ADDR query, GM_ADDR key, GM_ADDR value,
                                          GM_ADDR key_cache, GM_ADDR value_cache,
                                          GM_ADDR block_table, GM_ADDR context_lens,
-                                         GM_ADDR cu_query_lens, GM_ADDR work, GM_ADDR out,
+                                         GM_ADDR cu_query_lens, GM_ADDR out,
                                          GM_ADDR tiling) {
   PagedAttention<T> op;
   op.Init(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          work, out, tiling);
+          out, tiling);
   op.Process();
 }
 
@@ -309,10 +318,10 @@ __aicore__ inline void RunPagedAttention(GM_ADDR query, GM_ADDR key, GM_ADDR val
 #define DFLASH_PAGED_ATTENTION_KERNEL(NAME, TYPE)                                                \
   extern "C" __global__ __aicore__ void NAME(                                                    \
       GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache, GM_ADDR value_cache,         \
-      GM_ADDR block_table, GM_ADDR context_lens, GM_ADDR cu_query_lens, GM_ADDR work,            \
-      GM_ADDR out, GM_ADDR tiling) {                                                             \
+      GM_ADDR block_table, GM_ADDR context_lens, GM_ADDR cu_query_lens, GM_ADDR out,             \
+      GM_ADDR tiling) {                                                                          \
     RunPagedAttention<TYPE>(query, key, value, key_cache, value_cache, block_table, context_lens, \
-                            cu_query_lens, work, out, tiling);                                   \
+                            cu_query_lens, out, tiling);                                         \
   }
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32, float)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16, half)
@@ -326,23 +335,23 @@ extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, 
                                               uint8_t* query, uint8_t* key, uint8_t* value,
                                               uint8_t* key_cache, uint8_t* value_cache,
                                               uint8_t* block_table, uint8_t* context_lens,
-                                              uint8_t* cu_query_lens, uint8_t* work, uint8_t* out,
+                                              uint8_t* cu_query_lens, uint8_t* out,
                                               uint8_t* tiling) {
   switch (dtype) {
     case 0:
       dflash_paged_attention_fp32<<<block_dim, nullptr, stream>>>(
           query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          work, out, tiling);
+          out, tiling);
       break;
     case 1:
       dflash_paged_attention_fp16<<<block_dim, nullptr, stream>>>(
           query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          work, out, tiling);
+          out, tiling);
       break;
     default:
       dflash_paged_attention_bf16<<<block_dim, nullptr, stream>>>(
           query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          work, out, tiling);
+          out, tiling);
       break;
   }
 }

@@ -23,7 +23,8 @@ struct ContextKvTiling {
 };
 
 // One paged_attention work item: query positions [q0, q0 + qn) of sequence `seq` (relative to the
-// sequence's first row), query heads [h0, h0 + hn) of kv head `kv_head`'s group.
+// sequence's first row), query heads [h0, h0 + hn) of kv head `kv_head`'s group. The kernel
+// enumerates them itself (ascend_kernels/paged_attention.cpp).
 struct PagedAttentionItem {
   uint32_t seq;
   uint32_t kv_head;
@@ -38,7 +39,7 @@ struct PagedAttentionItem {
 constexpr uint32_t kPagedAttentionMaxRows = 256;
 
 struct PagedAttentionTiling {
-  uint32_t items;       // work items (rows of the work table)
+  uint32_t batch;       // sequences (rows of block_table)
   uint32_t q_heads;     // Hq
   uint32_t kv_heads;    // Hkv
   uint32_t head_dim;    // D

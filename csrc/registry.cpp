@@ -10,11 +10,12 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "context_kv(Tensor hidden, Tensor? fc_weight, Tensor hidden_norm_weight, Tensor kv_weight, "
       "Tensor? kv_bias, Tensor k_norm_weight, Tensor positions, Tensor cos_sin_cache, "
-      "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()");
+      "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, "
+      "bool validate=True) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
-      "float scale, bool causal) -> Tensor");
+      "float scale, bool causal, bool validate=True) -> Tensor");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> "
@@ -28,7 +29,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "qkv_rope_cache(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, Tensor cos_sin, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads, "
-      "float eps) -> (Tensor, Tensor, Tensor)");
+      "float eps, bool validate=True) -> (Tensor, Tensor, Tensor)");
   m.def("panel_linear(Tensor x, Tensor weight_panels, Tensor? bias) -> Tensor");
 }
 

@@ -40,7 +40,8 @@ def backend() -> str:
 
 
 def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
-                    cu_query_lens, scale: float, causal: bool) -> torch.Tensor:
+                    cu_query_lens, scale: float, causal: bool, validate: bool = True
+                    ) -> torch.Tensor:
     """`dflash.ops.paged_attention`, dispatched to the selected backend for NPU tensors."""
     if query.device.type == "npu" and backend() == "fused_infer":
         import torch_npu
@@ -48,7 +49,8 @@ def paged_attention(query, key, value, key_cache, value_cache, block_table, cont
         return fused_infer_attention(torch_npu, query, key, value, key_cache, value_cache,
                                      block_table, context_lens, cu_query_lens, scale, causal)
     return torch.ops.dflash.paged_attention(query, key, value, key_cache, value_cache, block_table,
-                                            context_lens, cu_query_lens, scale, causal)
+                                            context_lens, cu_query_lens, scale, causal,
+                                            validate)
 
 
 _masks: dict[torch.device, torch.Tensor] = {}

@@ -28,7 +28,7 @@ def context_kv(hidden: torch.Tensor, fc_weight: torch.Tensor | None,
                kv_bias: torch.Tensor | None, k_norm_weight: torch.Tensor,
                positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
                key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
-               eps: float = 1e-6) -> None:
+               eps: float = 1e-6, validate: bool = True) -> None:
     """Materialize the draft's context K/V for N committed tokens into every layer's paged cache.
 
     c = rms_norm(hidden @ fc_weight.T, hidden_norm_weight); kv = c @ kv_weight.T (+ kv_bias);
@@ -46,16 +46,22 @@ def context_kv(hidden: torch.Tensor, fc_weight: torch.Tensor | None,
         cos_sin_cache: [max_pos, D] float32, rows [cos(D/2) | sin(D/2)].
         slot_mapping: [N] int64, slot = block * block_size + offset, or -1.
         key_caches, value_caches: L tensors [num_blocks, block_size, Hkv, D], written in place.
+        validate: True checks that every position indexes cos_sin_cache and every slot a cache
+            block (a bad one raises a ValueError naming it). On an NPU that reads positions and
+            slot_mapping back to the host; False, for a caller whose step plan already checked
+            them (`AttentionMetadata.checked`, the engine), skips that copy. The CPU kernels
+            read the indices anyway and always check them.
     """
     torch.ops.dflash.context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                                 k_norm_weight, positions, cos_sin_cache, slot_mapping,
-                                list(key_caches), list(value_caches), eps)
+                                list(key_caches), list(value_caches), eps, validate)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
-                    cu_query_lens: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+                    cu_query_lens: torch.Tensor, scale: float, causal: bool,
+                    validate: bool = True) -> torch.Tensor:
     """Attention of every sequence's new tokens over its paged context plus its new tokens.
 
     Args:
@@ -68,6 +74,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scale: softmax scale (usually D ** -0.5).
         causal: False: every new token sees all keys of its sequence (DFlash draft block);
             True: new token i sees the context and new tokens 0..i (prefill, decode, verify).
+        validate: True checks cu_query_lens, context_lens and every block the sequences read
+            (as context_kv's `validate`: on an NPU a device-to-host copy, skipped with False for
+            a checked step plan; the CPU kernels always check).
 
     Returns:
         [Tq, Hq, D] in the query dtype; softmax in float32.
@@ -76,7 +85,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     `npu_fused_infer_attention_score` instead of dflash's kernel (see `dflash.npu_attention`).
     """
     return npu_attention.paged_attention(query, key, value, key_cache, value_cache, block_table,
-                                         context_lens, cu_query_lens, scale, causal)
+                                         context_lens, cu_query_lens, scale, causal, validate)
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -144,7 +153,7 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
                    k_norm_weight: torch.Tensor | None, cos_sin: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   num_heads: int, eps: float = 1e-6
+                   num_heads: int, eps: float = 1e-6, validate: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention's input in one pass: heads out of the fused QKV projection, the optional
     per-head q/k RMSNorm (Qwen3), RoPE, and the new tokens' K/V written to the paged caches.
@@ -156,13 +165,15 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
         key_cache, value_cache: [num_blocks, block_size, Hkv, D] in qkv's dtype, written in place.
         slot_mapping: [T] int64, slot = block * block_size + offset, or -1 (not stored).
         num_heads: Hq.
+        validate: True checks every slot; False, for a checked step plan, skips that where it
+            costs a device-to-host copy (the PyTorch reference, which serves other devices).
 
     Returns:
         q [T, Hq, D], k [T, Hkv, D] (normed and rotated, float32 math rounded once) and v
         [T, Hkv, D], contiguous, in qkv's dtype.
     """
     return torch.ops.dflash.qkv_rope_cache(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
-                                           value_cache, slot_mapping, num_heads, eps)
+                                           value_cache, slot_mapping, num_heads, eps, validate)
 
 
 to_panels, from_panels = reference.to_panels, reference.from_panels

@@ -146,10 +146,17 @@ def test_no_query_rows(emu):
     assert emu.paged_attention(**args).shape == (0, 4, 8)
 
 
-def test_every_call_copies_its_index_tensors_to_the_host(emu):
-    # cu_query_lens, context_lens and the block table are validated and tiled on the host: three
-    # copies per call, in every layer of every step (the launchers have no plan / run split).
-    args = matrix_case(64, 2, 16, 16, True, torch.float32)
+@pytest.mark.parametrize("query_len", [16, "mixed"])
+def test_only_a_validated_call_copies_its_index_tensors_to_the_host(emu, query_len):
+    # A validated call reads cu_query_lens, context_lens and the block table back to check them;
+    # without validation the launch reads nothing: the kernel lists its own work items and the
+    # tiling depends on shapes only, so both calls compute the same, bit for bit.
+    args = matrix_case(64, 2, 16, query_len, True, torch.float32)
     before = emu.host_copies()
     check(emu, args)
     assert emu.host_copies() - before == 3
+    validated = emu.paged_attention(**args)
+    before = emu.host_copies()
+    unvalidated = emu.paged_attention(**args, validate=False)
+    assert emu.host_copies() == before
+    assert torch.equal(unvalidated, validated)

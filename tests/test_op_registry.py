@@ -25,9 +25,10 @@ IMPLEMENTATIONS = {
 
 def test_schemas_match_spec():
     schemas = {op: str(getattr(torch.ops.dflash, op).default._schema) for op in OPS}
-    assert "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()" in \
-        schemas["context_kv"]
-    assert schemas["paged_attention"].endswith("float scale, bool causal) -> Tensor")
+    assert schemas["context_kv"].endswith(
+        "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, bool validate=True) -> ()")
+    assert schemas["paged_attention"].endswith(
+        "float scale, bool causal, bool validate=True) -> Tensor")
     assert "Tensor? draft_probs" in schemas["rejection_sample"]
     assert schemas["rejection_sample"].endswith("-> (Tensor, Tensor)")
 

@@ -15,7 +15,7 @@ void dflash_context_kv_fp16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, ui
 void dflash_context_kv_bf16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
 #define DFLASH_PAGED_ATTENTION_KERNEL(NAME)                                                     \
   void NAME(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, \
-            uint8_t*, uint8_t*, uint8_t*);
+            uint8_t*, uint8_t*);
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_bf16)
@@ -81,10 +81,11 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                 const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                 const at::Tensor& slot_mapping, at::TensorList key_caches,
-                at::TensorList value_caches, double eps) {
+                at::TensorList value_caches, double eps, bool validate) {
   auto l = dflash::ascend::prepare_context_kv(
       hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
-      cos_sin_cache, slot_mapping, key_caches, value_caches, eps, config.cores, config.ub_bytes);
+      cos_sin_cache, slot_mapping, key_caches, value_caches, eps, validate, config.cores,
+      config.ub_bytes);
   if (l.block_dim == 0) return;
   std::vector<emu::GmArg> args{gm(l.kv, false, "kv"),
                                gm(l.k_norm_weight, false, "k_norm_weight"),
@@ -109,10 +110,11 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_table, const at::Tensor& context_lens,
-                           const at::Tensor& cu_query_lens, double scale, bool causal) {
+                           const at::Tensor& cu_query_lens, double scale, bool causal,
+                           bool validate) {
   auto l = dflash::ascend::prepare_paged_attention(query, key, value, key_cache, value_cache,
                                                    block_table, context_lens, cu_query_lens, scale,
-                                                   causal, config.cores, config.ub_bytes);
+                                                   causal, validate, config.cores, config.ub_bytes);
   if (l.block_dim == 0) return l.out;
   std::vector<emu::GmArg> args{gm(l.query, false, "query"),
                                gm(l.key, false, "key"),
@@ -122,7 +124,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                                gm(l.block_table, false, "block_table"),
                                gm(l.context_lens, false, "context_lens"),
                                gm(l.cu_query_lens, false, "cu_query_lens"),
-                               gm(l.work, false, "work"),
                                gm(l.out, true, "output"),
                                gm(l.tiling_gm, false, "tiling")};
   auto kernel = l.dtype_code == 0   ? dflash_paged_attention_fp32
@@ -131,7 +132,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   emu::launch(l.block_dim, std::move(args), [&] {
     kernel(gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value), gm_ptr(l.key_cache),
            gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
-           gm_ptr(l.cu_query_lens), gm_ptr(l.work), gm_ptr(l.out), gm_ptr(l.tiling_gm));
+           gm_ptr(l.cu_query_lens), gm_ptr(l.out), gm_ptr(l.tiling_gm));
   });
   return l.out;
 }
@@ -182,7 +183,8 @@ TORCH_LIBRARY(dflash_emu, m) {
   m.def(
       "context_kv(Tensor hidden, Tensor? fc_weight, Tensor hidden_norm_weight, Tensor kv_weight, "
       "Tensor? kv_bias, Tensor k_norm_weight, Tensor positions, Tensor cos_sin_cache, "
-      "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps) -> ()");
+      "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, "
+      "bool validate=True) -> ()");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> "
@@ -190,7 +192,7 @@ TORCH_LIBRARY(dflash_emu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
-      "float scale, bool causal) -> Tensor");
+      "float scale, bool causal, bool validate=True) -> Tensor");
   m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash_emu::configure);
   m.def("host_copies() -> int", &dflash_emu::host_copies);
   m.def(

@@ -119,7 +119,9 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                 const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                 const at::Tensor& slot_mapping, at::TensorList key_caches,
-                at::TensorList value_caches, double eps) {
+                at::TensorList value_caches, double eps, bool /*validate*/) {
+  // The index checks below read host memory here: they always run (`validate` spares a
+  // device-to-host copy only on devices).
   checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                           k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                           value_caches, eps);

@@ -151,7 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_cache(
     const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm_weight,
     const std::optional<at::Tensor>& k_norm_weight, const at::Tensor& cos_sin,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-    int64_t num_heads, double eps) {
+    int64_t num_heads, double eps, bool /*validate*/) {
+  // The slots are read here anyway: they are always checked (as in context_kv).
   checks::qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
                               slot_mapping, num_heads, eps);
   const at::Tensor slots = slot_mapping.contiguous();

@@ -518,7 +518,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_table,
                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                               double scale, bool causal) {
+                               double scale, bool causal, bool /*validate*/) {
+  // As in context_kv: the index checks cost no copy on the CPU, so they always run.
   checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
                                context_lens, cu_query_lens, scale);
   const auto table = block_table.contiguous();

@@ -146,16 +146,18 @@ inline ContextKvLaunch prepare_context_kv(
     const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
     const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
     const at::Tensor& positions, const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
-    at::TensorList key_caches, at::TensorList value_caches, double eps, uint32_t cores,
-    uint64_t ub_bytes = kUbBytes) {
+    at::TensorList key_caches, at::TensorList value_caches, double eps, bool validate,
+    uint32_t cores, uint64_t ub_bytes = kUbBytes) {
   constexpr const char* op = "context_kv";
   checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                           k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                           value_caches, eps);
-  const at::Tensor pos = to_host(positions), slots = to_host(slot_mapping);
-  checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
-                            pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
-                            key_caches[0].size(1));
+  if (validate) {  // the index checks read positions and slots back to the host
+    const at::Tensor pos = to_host(positions), slots = to_host(slot_mapping);
+    checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
+                              pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
+                              key_caches[0].size(1));
+  }
   const auto dtype = hidden.scalar_type();
   const int64_t layers = k_norm_weight.size(0), d = k_norm_weight.size(1);
   const int64_t hkv = key_caches[0].size(2);
@@ -209,19 +211,18 @@ inline ContextKvLaunch prepare_context_kv(
 // paged_attention
 // ---------------------------------------------------------------------------------------------
 
-// Returns host copies of cu_query_lens and context_lens (the work list is built from them).
-inline std::pair<at::Tensor, at::Tensor> check_paged_attention(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
-    const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale) {
-  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
-                               context_lens, cu_query_lens, scale);
+// The value checks of paged_attention (index ranges of cu_query_lens, context_lens and the block
+// table): they read the three tensors back to the host, so only a call with validate = true makes
+// them.
+inline void check_paged_attention_values(const at::Tensor& query, const at::Tensor& key_cache,
+                                         const at::Tensor& block_table,
+                                         const at::Tensor& context_lens,
+                                         const at::Tensor& cu_query_lens) {
   const at::Tensor cu = to_host(cu_query_lens), ctx = to_host(context_lens);
   const at::Tensor table = to_host(block_table);
   checks::paged_attention_values(query.size(0), key_cache.size(0), key_cache.size(1),
                                  table.const_data_ptr<int32_t>(), table.size(0), table.size(1),
                                  ctx.const_data_ptr<int32_t>(), cu.const_data_ptr<int32_t>());
-  return {cu, ctx};
 }
 
 struct PagedAttentionLaunch {
@@ -229,68 +230,47 @@ struct PagedAttentionLaunch {
   uint32_t block_dim;  // 0: no query rows, nothing to launch
   int dtype_code;      // 0 float32, 1 float16, 2 bfloat16: which kernel
   at::Tensor query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens;
-  at::Tensor work, out, tiling_gm;
+  at::Tensor out, tiling_gm;
 };
 
 // Bytes of Sum workspace the kernel reserves for rows of `head_dim` floats.
 using SumWorkspace = uint32_t (*)(uint32_t head_dim);
 inline uint32_t emulated_sum_workspace(uint32_t head_dim) { return sum_tmp_bytes(head_dim, 4); }
 
-// Validates, tiles and lists the work items: (sequence, kv head, query tile, head tile), longest
-// first so that the blocks' grid-stride loops end close together.
+// Checks and tiles a call from shapes alone (plus the values when `validate`): the tiling plans
+// for the longest sequence there could be, all Tq rows, so it never depends on the lengths, and
+// the kernel enumerates its work items from cu_query_lens on the device.
 inline PagedAttentionLaunch prepare_paged_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale, bool causal,
-    uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    bool validate, uint32_t cores, uint64_t ub_bytes = kUbBytes,
     SumWorkspace sum_workspace = emulated_sum_workspace) {
   constexpr const char* op = "paged_attention";
-  const auto [cu, ctx] = check_paged_attention(query, key, value, key_cache, value_cache,
-                                               block_table, context_lens, cu_query_lens, scale);
-  const int64_t hq = query.size(1), d = query.size(2), hkv = key.size(1);
-  const int64_t batch = block_table.size(0);
-  const auto c = cu.accessor<int32_t, 1>();
-  const auto lens = ctx.accessor<int32_t, 1>();
-  uint32_t max_query = 0;
-  for (int64_t i = 0; i < batch; ++i)
-    max_query = std::max(max_query, static_cast<uint32_t>(c[i + 1] - c[i]));
-
+  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
+                               context_lens, cu_query_lens, scale);
+  if (validate)
+    check_paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens);
   PagedAttentionLaunch l{};
   if (query.numel() == 0) {  // no rows, heads or head_dim: nothing to launch
     l.out = at::empty_like(query);
     return l;
   }
+  const int64_t tq = query.size(0), d = query.size(2), hkv = key.size(1);
+  const int64_t batch = block_table.size(0);
   const auto elem = static_cast<uint32_t>(query.element_size());
-  l.tiling = paged_attention_tiling(hq, hkv, d, key_cache.size(1), block_table.size(1), max_query,
-                                    causal, static_cast<float>(scale), elem, ub_bytes,
+  l.tiling = paged_attention_tiling(query.size(1), hkv, d, key_cache.size(1), block_table.size(1),
+                                    tq, causal, static_cast<float>(scale), elem, ub_bytes,
                                     sum_workspace(static_cast<uint32_t>(d)));
   if (l.tiling.q_tile == 0)
     fail(op, "head_dim ", d, " does not fit the Ascend kernel's unified buffer of ", ub_bytes,
          " bytes");
-  const uint32_t group = l.tiling.group, qt = l.tiling.q_tile, ht = l.tiling.head_tile;
-  std::vector<std::pair<int64_t, PagedAttentionItem>> items;  // (keys it reads, item)
-  for (int64_t i = 0; i < batch; ++i) {
-    const uint32_t n = c[i + 1] - c[i];
-    for (uint32_t q0 = 0; q0 < n; q0 += qt) {
-      const uint32_t qn = std::min(qt, n - q0);
-      const int64_t keys = lens[i] + (causal ? q0 + qn : n);
-      for (uint32_t g = 0; g < static_cast<uint32_t>(hkv); ++g) {
-        for (uint32_t h0 = 0; h0 < group; h0 += ht) {
-          const uint32_t hn = std::min(ht, group - h0);
-          items.push_back({keys * qn * hn, {static_cast<uint32_t>(i), g, q0, qn, h0, hn}});
-        }
-      }
-    }
-  }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
-  at::Tensor work = at::empty({static_cast<int64_t>(items.size() * sizeof(PagedAttentionItem))},
-                              at::kByte);
-  for (size_t i = 0; i < items.size(); ++i)
-    std::memcpy(work.data_ptr<uint8_t>() + i * sizeof(PagedAttentionItem), &items[i].second,
-                sizeof(PagedAttentionItem));
-  l.tiling.items = static_cast<uint32_t>(items.size());
-  l.block_dim = block_dim(items.size(), cores);
+  l.tiling.batch = static_cast<uint32_t>(batch);
+  // At most this many items: a sequence of n rows has ceil(n / q_tile) <= n / q_tile + 1 query
+  // tiles (none when n = 0), and all of them together no more than Tq.
+  const int64_t q_tiles = std::min<int64_t>(tq, tq / l.tiling.q_tile + batch);
+  const int64_t head_tiles = ceil_div(l.tiling.group, l.tiling.head_tile);
+  l.block_dim = block_dim(q_tiles * hkv * head_tiles, cores);
   l.dtype_code = query.scalar_type() == at::kFloat ? 0 : query.scalar_type() == at::kHalf ? 1 : 2;
   l.query = query.contiguous();
   l.key = key.contiguous();
@@ -300,7 +280,6 @@ inline PagedAttentionLaunch prepare_paged_attention(
   l.block_table = block_table.contiguous();
   l.context_lens = context_lens.contiguous();
   l.cu_query_lens = cu_query_lens.contiguous();
-  l.work = work.to(query.device());
   l.out = at::empty_like(l.query);
   l.tiling_gm = tiling_tensor(l.tiling, query.device());
   return l;

@@ -14,11 +14,11 @@ void context_kv_npu(const at::Tensor& hidden, const std::optional<at::Tensor>& f
                     const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
                     const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                     const at::Tensor& slot_mapping, at::TensorList key_caches,
-                    at::TensorList value_caches, double eps) {
+                    at::TensorList value_caches, double eps, bool validate) {
   using namespace dflash::ascend;
   auto l = prepare_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                               k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
-                              value_caches, eps, vector_cores(), ub_bytes());
+                              value_caches, eps, validate, vector_cores(), ub_bytes());
   if (!l.block_dim) return;
   run_on_stream(
       "dflash::context_kv", [l](void* stream) {  // the caches are written through cache_table

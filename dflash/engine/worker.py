@@ -68,6 +68,7 @@ class Worker:
         if draft is not None:
             draft.pack_weights()
         self.kv_block_size, self.block_size = kv_block_size, block_size
+        self.num_kv_blocks = num_kv_blocks
         self.draft_sampling = draft_sampling
         dtype, self.device = target.embed.dtype, target.embed.device
         self.target_cache = torch.zeros(target.kv_cache_shape(num_kv_blocks, kv_block_size),
@@ -92,13 +93,13 @@ class Worker:
         start = time.perf_counter()
         lengths = [len(r.prompt_ids) for r in requests]
         meta = build_metadata([r.block_table for r in requests], [0] * len(requests), lengths,
-                              self.kv_block_size, self.device)
+                              self.kv_block_size, self.device, self.num_kv_blocks)
         tokens = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
         hidden, features = self.target(tokens, meta, self.target_cache, self.capture)
         logits = self.target.logits(hidden[meta.cu_query_lens[1:].long() - 1])
         if self.draft is not None:
             self.draft.write_context(features, meta.positions, meta.slot_mapping,
-                                     self.draft_cache)
+                                     self.draft_cache, validate=not meta.checked)
         for r, n in zip(requests, lengths):
             r.num_cached = n
         params = [r.params for r in requests]
@@ -118,7 +119,8 @@ class Worker:
                             else self.mask_token_id, device=self.device)
         tokens[:, 0] = self._pending(requests)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
-                              [b] * len(requests), self.kv_block_size, self.device)
+                              [b] * len(requests), self.kv_block_size, self.device,
+                              self.num_kv_blocks)
         return StepInputs(requests, tokens.flatten(), meta, b,
                           b - 1 if num_drafts is None else num_drafts)
 
@@ -158,7 +160,8 @@ class Worker:
         table[:, 0] = self._pending(requests)
         table[:, 1:] = draft_ids
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
-                              [k + 1 for k in num_drafts], self.kv_block_size, self.device)
+                              [k + 1 for k in num_drafts], self.kv_block_size, self.device,
+                              self.num_kv_blocks)
         hidden, features = self.target(table.flatten()[rows_t], meta, self.target_cache,
                                        self.capture)
         logits = self.target.logits(hidden)
@@ -226,7 +229,8 @@ class Worker:
         if keep:
             rows = torch.tensor(keep, device=self.device)
             self.draft.write_context(verified.features[rows], meta.positions[rows],
-                                     meta.slot_mapping[rows], self.draft_cache)
+                                     meta.slot_mapping[rows], self.draft_cache,
+                                     validate=not meta.checked)
 
     @torch.inference_mode()
     def _flush_context(self, requests: list[Request]) -> None:
@@ -235,7 +239,8 @@ class Worker:
         if not rows:
             return
         features, positions, slots = (torch.stack(column) for column in zip(*rows))
-        self.draft.write_context(features, positions, slots, self.draft_cache)
+        # rows of checked step plans (write_context_kv kept them)
+        self.draft.write_context(features, positions, slots, self.draft_cache, validate=False)
         for r in requests:
             r.context_backlog.clear()
 

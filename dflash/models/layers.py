@@ -13,7 +13,8 @@ from .config import AttentionConfig
 
 @dataclass
 class AttentionMetadata:
-    """Where a batch of new tokens sits in the paged caches (docs/design.md 3.2).
+    """Where a batch of new tokens sits in the paged caches (docs/design.md 3.2): the step plan
+    every layer's attention and cache writes read.
 
     Sequence b owns rows [cu_query_lens[b], cu_query_lens[b+1]) of the flattened tokens; its
     context_lens[b] cached tokens are read through block_table[b].
@@ -24,26 +25,53 @@ class AttentionMetadata:
     block_table: torch.Tensor     # [B, max_blocks] int32
     context_lens: torch.Tensor    # [B] int32
     cu_query_lens: torch.Tensor   # [B + 1] int32
+    # True when build_metadata checked every index against the caches' block count on the host:
+    # the ops then skip their own value checks (on an NPU each is a device-to-host copy)
+    checked: bool = False
 
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
-                   kv_block_size: int, device=None) -> AttentionMetadata:
+                   kv_block_size: int, device=None, num_blocks: int | None = None
+                   ) -> AttentionMetadata:
     """Metadata for `lengths[b]` new tokens of sequence b at positions starts[b].., whose logical
-    cache block i is physical block block_tables[b][i]."""
+    cache block i is physical block block_tables[b][i].
+
+    Built and checked on the host from the scheduler's lists, then uploaded in one copy. With
+    `num_blocks` (the caches' block count) every block a sequence reads or writes must lie in
+    [0, num_blocks), and the result is marked `checked`."""
+    if not len(block_tables) == len(starts) == len(lengths):
+        raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(starts)} starts "
+                         f"and {len(lengths)} lengths; need one of each per sequence")
     width = max(len(t) for t in block_tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
-                         device=device)
-    starts_t = torch.tensor(starts, device=device)
-    lengths_t = torch.tensor(lengths, device=device)
-    cu = torch.zeros(len(block_tables) + 1, dtype=torch.int64, device=device)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
+    ends = starts_t + lengths_t
+    used = -(-ends // kv_block_size)   # blocks each sequence reads or writes
+    for b in torch.nonzero((starts_t < 0) | (lengths_t < 0) |
+                           (used > torch.tensor([len(t) for t in block_tables]))).flatten():
+        b = int(b)
+        raise ValueError(f"build_metadata: sequence {b} (start {starts[b]}, {lengths[b]} new "
+                         f"tokens) needs start, length >= 0 and {int(used[b])} cache blocks; its "
+                         f"block table has {len(block_tables[b])}")
+    if num_blocks is not None:
+        in_use = torch.arange(width)[None] < used[:, None]
+        bad = torch.nonzero(in_use & ((table < 0) | (table >= num_blocks)))
+        if len(bad):
+            b, i = (int(x) for x in bad[0])
+            raise ValueError(f"build_metadata: block_tables[{b}][{i}] = {int(table[b, i])} is out "
+                             f"of range for {num_blocks} cache blocks")
+    cu = torch.zeros(len(block_tables) + 1, dtype=torch.int64)
     cu[1:] = lengths_t.cumsum(0)
-    seq = torch.repeat_interleave(torch.arange(len(block_tables), device=device), lengths_t)
-    positions = torch.arange(int(cu[-1]), device=device) - cu[seq] + starts_t[seq]
+    seq = torch.repeat_interleave(torch.arange(len(block_tables)), lengths_t)
+    positions = torch.arange(int(cu[-1])) - cu[seq] + starts_t[seq]
     slots = table[seq, positions // kv_block_size] * kv_block_size + positions % kv_block_size
+    parts = (positions, slots, table.flatten(), starts_t, cu)
+    flat = torch.cat(parts).to(device)   # the one upload
+    positions, slots, table_d, starts_d, cu_d = flat.split([len(p) for p in parts])
     return AttentionMetadata(positions=positions, slot_mapping=slots,
-                             block_table=table.to(torch.int32),
-                             context_lens=starts_t.to(torch.int32),
-                             cu_query_lens=cu.to(torch.int32))
+                             block_table=table_d.view(table.shape).to(torch.int32),
+                             context_lens=starts_d.to(torch.int32),
+                             cu_query_lens=cu_d.to(torch.int32), checked=num_blocks is not None)
 
 
 def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> AttentionMetadata:
