@@ -4,6 +4,8 @@ tokens of the eager step, of the engine's ragged path and of `transformers` targ
 generation (float32, tiny random Qwen3 + DFlash draft); and context_kv and rejection_sample traced
 alone (paged_attention alone: test_op_registry.py)."""
 
+import inspect
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -101,6 +103,28 @@ def test_uniform_steps_match_the_ragged_path_and_transformers(models, eager):
         slots = torch.arange(n) + i * BLOCKS * KV_BLOCK   # the table holds consecutive blocks
         committed = [w.draft_cache.flatten(2, 3)[:, :, slots] for w in (uniform, ragged)]
         torch.testing.assert_close(*committed, atol=1e-5, rtol=0)
+
+
+def test_uniform_step_on_a_checked_plan_skips_the_ops_value_checks(models, monkeypatch):
+    """The worker's step plan is checked once on the host (`AttentionMetadata.checked`): every op
+    of the uniform step then runs with validate=False (on an NPU each check is a device-to-host
+    copy, which a captured graph cannot hold)."""
+    flags = []
+
+    def recording(name, op):
+        def recorded(*args, **kwargs):
+            bound = inspect.signature(op).bind(*args, **kwargs)
+            bound.apply_defaults()
+            flags.append((name, bound.arguments["validate"]))
+            return op(*args, **kwargs)
+        return recorded
+
+    for name in ("context_kv", "paged_attention", "qkv_rope_cache"):
+        monkeypatch.setattr(ops, name, recording(name, getattr(ops, name)))
+    _, _, drafts, _ = _decode(models)
+    assert drafts and {name for name, _ in flags} == {"context_kv", "paged_attention",
+                                                      "qkv_rope_cache"}
+    assert not any(validate for _, validate in flags)
 
 
 @pytest.mark.parametrize("stacked", [False, "block_major"])

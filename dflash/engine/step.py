@@ -77,5 +77,6 @@ def decode_step(target: TargetModel, draft: DFlashDraft, tokens: torch.Tensor,
     hidden, features = target(verify.flatten(), meta, target_cache, draft.cfg.target_layer_ids)
     target_ids = sampling.first_argmax(target.logits(hidden)).view(bs, b)
     output_ids, num_accepted = sampling.greedy_accept(drafts, target_ids)
-    draft.write_context(features, meta.positions, meta.slot_mapping, draft_cache)
+    draft.write_context(features, meta.positions, meta.slot_mapping, draft_cache,
+                        validate=not meta.checked)
     return output_ids, num_accepted, drafts
