@@ -295,6 +295,25 @@ def make_tiny_draft(directory, target_dir, num_layers: int = 2, block_size: int 
     return tensors
 
 
+def make_tiny_pair(root, block_size: int, kind: str = "qwen3"):
+    """A tiny random target (`root / "target"`) and a two-layer DFlash draft for it
+    (`root / "draft"`); returns both paths and the Hugging Face target."""
+    from pathlib import Path
+
+    root = Path(root)
+    hf = make_tiny_target(root / "target", kind)
+    make_tiny_draft(root / "draft", root / "target", num_layers=2, block_size=block_size)
+    return root / "target", root / "draft", hf
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """The n tokens `transformers` greedy generation puts after `prompt`."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
 def sequence_metadata(start: int, length: int, blocks: list[int], block_size: int):
     """AttentionMetadata for one sequence adding tokens start..start+length-1 to a paged cache
     whose logical block i is physical block blocks[i]."""

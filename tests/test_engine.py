@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash import LLM, SamplingParams
-from dflash.testing import make_tiny_draft, make_tiny_target
+from dflash.testing import hf_greedy, make_tiny_draft, make_tiny_pair, make_tiny_target
 
 B = 8
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
@@ -14,22 +14,12 @@ PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine")
-    hf = make_tiny_target(root / "target", "qwen3")
-    make_tiny_draft(root / "draft", root / "target", num_layers=2, block_size=B)
-    return root / "target", root / "draft", hf
+    return make_tiny_pair(tmp_path_factory.mktemp("engine"), B)
 
 
 @pytest.fixture(scope="module")
 def baseline(models):
     return LLM(models[0], dtype="float32", max_num_seqs=8)
-
-
-def _hf_greedy(hf, prompt, n):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
@@ -39,7 +29,7 @@ def test_greedy_batch_1_equals_target_only_and_transformers(models, baseline, sp
     llm = LLM(target, draft, dtype="float32", max_num_seqs=1, speculation=speculation)
     dflash = llm.generate(PROMPTS[1], sp)[0]
     assert dflash.token_ids == baseline.generate(PROMPTS[1], sp)[0].token_ids \
-        == _hf_greedy(hf, PROMPTS[1], 40)
+        == hf_greedy(hf, PROMPTS[1], 40)
     assert dflash.finish_reason == "length"
     if speculation == "fixed":
         assert dflash.metrics.num_drafts > 0
@@ -53,7 +43,7 @@ def test_greedy_continuous_batching_equals_target_only(models, baseline, specula
     outs = llm.generate(PROMPTS, sp)
     expected = baseline.generate(PROMPTS, sp)
     for o, e, p, s in zip(outs, expected, PROMPTS, sp):
-        assert o.token_ids == e.token_ids == _hf_greedy(hf, p, s.max_tokens)
+        assert o.token_ids == e.token_ids == hf_greedy(hf, p, s.max_tokens)
     assert llm.allocator.num_free == llm.allocator.num_blocks
 
 

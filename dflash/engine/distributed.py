@@ -54,6 +54,7 @@ class TPWorker(Worker):
     first sent to the followers; on a follower (group None) `follow` replays rank 0's calls."""
 
     defer_context = False   # followers rebuild their requests every call: nothing can wait
+    uniform_steps = False   # the ranks take rank 0's drafts and tokens, broadcast by the stages
 
     def __init__(self, tp: TensorParallel, group: Group | None, *worker_args):
         self.tp, self.group = tp, group

@@ -10,6 +10,10 @@ verify length k (0..B-1, chosen by the scheduler):
   write_context_kv      the committed rows' target features -> the draft's context cache (held
                         back for sequences that verified no drafts until they draft again)
 
+When every sequence verifies all B - 1 drafts greedily (and the draft model proposes them), the
+step is uniform: its device work, the same four stages over B rows per sequence, is one pure
+tensor function, `step.decode_step`, that a graph capture can take whole (`run_uniform_step`).
+
 Without a draft the same path runs with B = 1: the block is just the pending token and rejection
 sampling emits the one bonus token, i.e. plain autoregressive decoding (the speedup baseline).
 """
@@ -23,8 +27,9 @@ import torch
 
 from .. import sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
-from ..models.layers import build_metadata, linear, pack_linear_weight
+from ..models.layers import build_metadata, pack_linear_weight
 from .request import Request
+from .step import decode_step, draft_logits, greedy_drafts
 
 
 @dataclass
@@ -52,6 +57,7 @@ BACKLOG_ROWS = 128   # draft-context rows a sequence that stopped drafting may h
 
 class Worker:
     defer_context = True   # hold back the draft context of non-drafting sequences (see below)
+    uniform_steps = True   # run uniform greedy steps as one decode_step (run_uniform_step)
 
     def __init__(self, target: TargetModel, draft: DFlashDraft | None, num_kv_blocks: int,
                  kv_block_size: int, block_size: int, draft_sampling: str = "greedy"):
@@ -76,6 +82,8 @@ class Worker:
             target.output_rows(vocab) if draft.lm_head is None else draft.lm_head)
         self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
+        # the device work of a uniform step; a graph-capturing caller puts its compiled form here
+        self.decode_step = decode_step
         self.prefill_seconds = 0.0   # time spent in prefill (benchmarks report it separately)
 
     # ------------------------------------------------------------------------------ prefill
@@ -121,15 +129,12 @@ class Worker:
         """Draft tokens [Bs, K] for K = inputs.num_drafts (argmax, or sampled with dense
         probabilities [Bs, K, V]). The draft forward runs over the whole block (its attention is
         non-causal); only the K rows whose drafts can be verified go through the lm_head."""
-        bs, b, k = len(inputs.requests), inputs.block_size, inputs.num_drafts
-        hidden = self.draft(self.target.embed_tokens(inputs.tokens),
-                            inputs.meta, self.draft_cache)
-        rows = hidden.view(bs, b, -1)[:, 1:k + 1].reshape(bs * k, -1)
-        logits = (self.target.logits(rows) if self.draft_head is None else
-                  linear(rows, self.draft_head)).view(bs, k, -1)
+        bs, k = len(inputs.requests), inputs.num_drafts
+        logits = draft_logits(self.target, self.draft, self.draft_head,
+                              inputs.tokens.view(bs, inputs.block_size), inputs.meta,
+                              self.draft_cache, k)
         if self.draft_sampling == "greedy":
-            drafts = sampling.first_argmax(logits)
-            return (drafts if self.draft_vocab is None else self.draft_vocab[drafts]), None
+            return greedy_drafts(logits, self.draft_vocab), None
         probs = sampling.target_probs(logits, [r.params for r in inputs.requests])
         generators = [g for g in self._generators(inputs.requests) for _ in range(k)]
         greedy = self._is_greedy(inputs.requests).repeat_interleave(k)
@@ -245,15 +250,49 @@ class Worker:
 
         num_drafts[i] (0..B-1, default B-1) is how many of request i's drafts are verified; the
         draft forward runs only for the requests with k > 0 (not at all when every k is 0), and
-        the draft context is written for all of them (see write_context_kv for when).
-        `proposer(inputs)` replaces the draft model
-        (tests script acceptance with it).
+        the draft context is written for all of them (see write_context_kv for when). A step in
+        which every k is B-1 and every request greedy runs as one decode_step (run_uniform_step).
+        `proposer(inputs)` replaces the draft model (tests script acceptance with it).
         """
         b = self.block_size
         num_drafts = [b - 1] * len(requests) if num_drafts is None else list(num_drafts)
         if len(num_drafts) != len(requests) or not all(0 <= k < b for k in num_drafts):
             raise ValueError(f"num_drafts must hold one count in [0, {b - 1}] per request, got "
                              f"{num_drafts} for {len(requests)} requests")
+        if self._is_uniform(requests, proposer, num_drafts):
+            emitted, accepted = self.run_uniform_step(requests)
+        else:
+            emitted, accepted = self._ragged_step(requests, proposer, num_drafts)
+        for r, a in zip(requests, accepted):
+            r.num_cached += a + 1
+        return emitted, accepted
+
+    def _is_uniform(self, requests: list[Request], proposer, num_drafts: list[int]) -> bool:
+        """Whether every request drafts and verifies B - 1 tokens with the draft model, greedily."""
+        b = self.block_size
+        return self.uniform_steps and self.draft is not None and proposer is None and b > 1 \
+            and self.draft_sampling == "greedy" and all(k == b - 1 for k in num_drafts) \
+            and all(r.params.is_greedy for r in requests)
+
+    @torch.inference_mode()
+    def run_uniform_step(self, requests: list[Request]) -> tuple[list[list[int]], list[int]]:
+        """A step in which every request drafts and verifies B - 1 tokens greedily: its device
+        work is one `self.decode_step` call (shapes fixed by the batch, no host decision inside;
+        see dflash/engine/step.py), after which the host reads the emitted tokens back once. It
+        writes the draft context of all B verified rows, which keeps committed-token semantics
+        exact (step.py says why)."""
+        self._flush_context(requests)
+        inputs = self.prepare_query_inputs(requests)
+        out, accepted, _ = self.decode_step(
+            self.target, self.draft, inputs.tokens.view(len(requests), self.block_size),
+            inputs.meta, self.target_cache, self.draft_cache, self.draft_head, self.draft_vocab)
+        out, accepted = out.tolist(), accepted.tolist()   # the step's one host sync
+        return [row[:a + 1] for row, a in zip(out, accepted)], accepted
+
+    def _ragged_step(self, requests: list[Request], proposer, num_drafts: list[int]
+                     ) -> tuple[list[list[int]], list[int]]:
+        """Any other step: the four stages of the module docstring, each over its own rows."""
+        b = self.block_size
         draft_ids = torch.zeros(len(requests), b - 1, dtype=torch.int64, device=self.device)
         draft_probs = None
         drafting = [i for i, k in enumerate(num_drafts) if k > 0]
@@ -269,8 +308,6 @@ class Worker:
         verified = self.run_validate(requests, num_drafts, draft_ids, draft_probs)
         if self.draft is not None:
             self.write_context_kv(verified, requests)
-        for r, a in zip(requests, verified.accepted):
-            r.num_cached += a + 1
         return verified.emitted, verified.accepted
 
     # -------------------------------------------------------------------------- calibration
