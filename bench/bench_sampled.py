@@ -65,7 +65,8 @@ def main() -> None:
         outputs = llm.generate(prompts, params)
         decode = time.perf_counter() - start - llm.worker.prefill_seconds
         tokens = sum(len(o.token_ids) for o in outputs)
-        rows.append({"concurrency": concurrency, "dtype": str(llm.dtype).removeprefix("torch."), "tokens": tokens,
+        rows.append({"concurrency": concurrency,
+                     "dtype": str(llm.dtype).removeprefix("torch."), "tokens": tokens,
                      "decode_tok_s": tokens / decode,
                      "rejection_op_share": op.seconds / decode,
                      "rejection_with_noise_share": with_noise.seconds / decode})
