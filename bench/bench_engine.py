@@ -35,7 +35,7 @@ def tokens_per_second(generate, n: int = 64) -> float:
 def step_costs(llm: LLM) -> dict:
     """Milliseconds of the worker stages for one sequence with CONTEXT cached tokens."""
     worker, b = llm.worker, llm.worker.block_size
-    request = Request(0, list(range(1, CONTEXT + 1)), SamplingParams(), None, frozenset())
+    request = Request(0, list(range(1, CONTEXT + 1)), SamplingParams(), 0, frozenset())
     request.block_table = list(range(-(-(CONTEXT + b) // worker.kv_block_size)))
     request.num_cached, request.output_ids = CONTEXT, [1]
     drafts = torch.randint(0, 1000, (1, b - 1))

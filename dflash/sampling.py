@@ -1,11 +1,13 @@
 """Per-request sampling: parameters, logits processing into target probabilities, and the noise
-draws around `dflash.ops.rejection_sample`.
+around `dflash.ops.rejection_sample`.
 
-Every random draw comes from the request's own `torch.Generator` (seeded from
-`SamplingParams.seed`), so a seeded request produces the same tokens whatever else is batched with
-it. A step draws, per sampling row and in this order: K acceptance coins (uniform [0, 1)), then V
-exponential noise values for the one token it resamples (exponential race: argmax p / E is a draw
-from p / sum(p)). Greedy rows draw nothing.
+The noise is counter-based (Philox4x32-10): every value is a pure function of the request's seed,
+the position of the first token the call decides (its offset, which grows with every decoded
+token), a stream id, a row and the element index. It is computed with tensor ops on the device of
+the probabilities, so no `[Bs, V]` tensor is drawn on the host, and a seeded request gets the same
+noise whatever else is batched with it. Each draw has its own stream: the acceptance coins
+(uniform [0, 1)), the target's exponential race (argmax p / E, E ~ Exp(1), is a draw from
+p / sum(p)) and the draft's race, so no value serves twice.
 """
 
 from __future__ import annotations
@@ -16,11 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
-
-# torch's exponential_ can round to 0 in float32 (probability ~ 2**-53 per value); the op
-# requires positive noise, and a 0 would otherwise win the race outright.
-_TINY = torch.finfo(torch.float32).tiny
+from . import noise, ops
 
 
 @dataclass
@@ -78,14 +76,9 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def make_generator(params: SamplingParams) -> torch.Generator:
-    """A CPU generator seeded from `params.seed`, or from a fresh random seed when it is None."""
-    g = torch.Generator()
-    if params.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(params.seed)
-    return g
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request's noise is keyed by: `params.seed`, or a fresh random one when None."""
+    return noise.fresh_seed() if params.seed is None else params.seed
 
 
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -155,41 +148,33 @@ def _kth_largest(largest: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return torch.where(top_k > 0, largest.gather(-1, idx), float("-inf"))
 
 
-def _draws_by_generator(is_greedy: torch.Tensor, generators: Sequence[torch.Generator | None]):
-    """(generator, rows) for the sampling rows, grouped by generator object, rows in order.
-
-    Rows sharing one generator draw as one batch (row-major), which for a single row is exactly
-    that row's own stream; None means torch's default CPU generator.
-    """
-    if len(generators) != len(is_greedy):
-        raise ValueError(f"expected one generator (or None) per row: {len(is_greedy)} rows, "
-                         f"got {len(generators)} generators")
-    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
-    for row, greedy in enumerate(is_greedy.tolist()):
-        if not greedy:
-            g = generators[row]
-            groups.setdefault(id(g), (g, []))[1].append(row)
-    return list(groups.values())
+def _sampling_rows(is_greedy: torch.Tensor, seeds: Sequence[int], offsets: Sequence[int]):
+    """(row indices on the device, their seeds, their offsets) of the sampling rows."""
+    if not len(seeds) == len(offsets) == len(is_greedy):
+        raise ValueError(f"expected one seed and one offset per row: {len(is_greedy)} rows, got "
+                         f"{len(seeds)} seeds and {len(offsets)} offsets")
+    rows = [i for i, greedy in enumerate(is_greedy.tolist()) if not greedy]
+    return (torch.tensor(rows, dtype=torch.int64, device=is_greedy.device),
+            [seeds[i] for i in rows], [offsets[i] for i in rows])
 
 
-def _exponential(n: int, v: int, generator: torch.Generator | None) -> torch.Tensor:
-    return torch.empty(n, v).exponential_(generator=generator).clamp_min_(_TINY)
-
-
-def sample(probs: torch.Tensor, is_greedy: torch.Tensor,
-           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [Bs, V]: argmax for greedy rows (first index on ties), an
-    exponential race argmax(p / E), E ~ Exp(1) from the row's generator, for the others."""
-    bs, v = probs.shape
+def sample(probs: torch.Tensor, is_greedy: torch.Tensor, seeds: Sequence[int],
+           offsets: Sequence[int], stream: int = noise.TARGET_RACE) -> torch.Tensor:
+    """One token per row of probs [Bs, V] (or [Bs, R, V]: R tokens per sequence, row j of noise
+    row j): argmax for greedy rows (first index on ties), an exponential race argmax(p / E) for
+    the others, E ~ Exp(1) keyed by the row's seed and offset in `stream`."""
     tokens = probs.argmax(-1)
-    for g, rows in _draws_by_generator(is_greedy, generators):
-        idx = torch.tensor(rows)
-        tokens[idx] = (probs[idx].float() / _exponential(len(rows), v, g)).argmax(-1)
+    rows, seeds, offsets = _sampling_rows(is_greedy, seeds, offsets)
+    if len(rows):
+        p = probs[rows].float()
+        e = noise.exponential(seeds, offsets, stream, 1 if p.dim() == 2 else p.shape[1],
+                              p.shape[-1], p.device)
+        tokens[rows] = (p / e.view(p.shape)).argmax(-1)
     return tokens
 
 
 def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
-           params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+           params: Sequence[SamplingParams], seeds: Sequence[int], offsets: Sequence[int]
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify drafts [Bs, K] against the target's logits [Bs, K + 1, V]: `rejection_sample` of
     the `target_probs`. Returns (output_token_ids [Bs, K + 1] padded with -1, num_accepted [Bs]).
@@ -201,7 +186,7 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, logi
         return greedy_accept(draft_token_ids, first_argmax(logits))
     is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
     return rejection_sample(draft_token_ids, draft_probs, target_probs(logits, params), is_greedy,
-                            generators)
+                            seeds, offsets)
 
 
 def greedy_accept(draft_token_ids: torch.Tensor, target_ids: torch.Tensor
@@ -219,24 +204,24 @@ def greedy_accept(draft_token_ids: torch.Tensor, target_ids: torch.Tensor
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                     target_probs: torch.Tensor, is_greedy: torch.Tensor,
-                     generators: Sequence[torch.Generator | None]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw each sampling row's noise from its generator, then run `dflash.ops.rejection_sample`.
+                     target_probs: torch.Tensor, is_greedy: torch.Tensor, seeds: Sequence[int],
+                     offsets: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compute each sampling row's noise from its seed and offset (the position of the first
+    token the row decides), then run `dflash.ops.rejection_sample`.
 
-    Per sampling row: K uniform coins, then V Exp(1) values (greedy rows get inert noise: they
-    use none). Returns (output_token_ids [Bs, K + 1] padded with -1, num_accepted [Bs]).
+    Per sampling row: K coins (stream COINS) and V Exp(1) values (stream TARGET_RACE); greedy
+    rows get inert noise (they use none). Returns (output_token_ids [Bs, K + 1] padded with -1,
+    num_accepted [Bs]).
     """
     bs, k = draft_token_ids.shape
-    v = target_probs.shape[-1]
-    uniform = torch.zeros(bs, k)
-    exponential = torch.ones(bs, v)
-    for g, rows in _draws_by_generator(is_greedy, generators):
-        idx = torch.tensor(rows)
-        uniform[idx] = torch.rand(len(rows), k, generator=g)
-        exponential[idx] = _exponential(len(rows), v, g)
-    device = target_probs.device
+    v, device = target_probs.shape[-1], target_probs.device
+    uniform = torch.zeros(bs, k, device=device)
+    exponential = torch.ones(bs, v, device=device)
+    rows, seeds, offsets = _sampling_rows(is_greedy, seeds, offsets)
+    if len(rows):
+        uniform[rows] = noise.uniform(seeds, offsets, noise.COINS, 1, k, device)[:, 0]
+        exponential[rows] = noise.exponential(seeds, offsets, noise.TARGET_RACE, 1, v, device)[:, 0]
     # The probabilities come from target_probs / the draft and the noise from here: the kernel
     # checks only the values it reads.
     return ops.rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy,
-                                uniform.to(device), exponential.to(device), validate=False)
+                                uniform, exponential, validate=False)

@@ -120,6 +120,28 @@ def test_sampling_is_reproducible_with_a_seed(models):
     assert a == b and a != c
 
 
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_seeded_sampling_is_independent_of_batch_and_concurrency(models, draft_sampling):
+    """Under the fixed schedule a seeded request's tokens do not depend on what runs with it:
+    alone, in a batch of 8 (greedy and other temperatures beside it, requests finishing at
+    different steps) and with 3 running at a time give the same tokens."""
+    target, draft, _ = models
+    sp = [SamplingParams(temperature=0.0 if i == 5 else 0.6 + 0.1 * i, top_k=30 * (i % 2),
+                         max_tokens=12 + 3 * i, seed=1000 + i) for i in range(len(PROMPTS))]
+
+    def run(max_num_seqs, prompts, params):
+        llm = LLM(target, draft, dtype="float32", max_num_seqs=max_num_seqs,
+                  speculation="fixed", draft_sampling=draft_sampling)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    alone = [run(1, [p], [s])[0] for p, s in zip(PROMPTS, sp)]
+    assert run(8, PROMPTS, sp) == alone
+    assert run(3, PROMPTS[::-1], sp[::-1]) == alone[::-1]
+    other_seeds = [SamplingParams(**{**vars(s), "seed": s.seed + 100}) for s in sp]
+    changed = [a != b for a, b in zip(run(8, PROMPTS, other_seeds), alone)]
+    assert sum(changed) >= 6 and not changed[5]        # the greedy request ignores its seed
+
+
 def test_no_cache_leak_after_200_requests(models):
     target, draft, _ = models
     llm = LLM(target, draft, dtype="float32", max_num_seqs=16)
@@ -218,4 +240,5 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_sampling)
     second = torch.tensor([o.token_ids[1] for o in outs])
     observed = torch.bincount(second, minlength=vocab).double()
     assert chisquare(observed.numpy(), (p2 * n).numpy()).pvalue > 1e-3
-    assert llm.metrics()["num_accepted_tokens"] > n // 10   # speculation really happened
+    # speculation really happened: about 270 accepted drafts are expected here (sd ~16)
+    assert llm.metrics()["num_accepted_tokens"] > n // 20

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dflash import ops, sampling
+from dflash import noise, ops, sampling
 from dflash.sampling import SamplingParams
 
 N = 200_000
@@ -61,12 +61,12 @@ def speculative_setup(v=20, k=3, seed=0):
     return p, q
 
 
-def run_batch(p, drafts, draft_probs, seed=1):
-    """Every row runs the same speculative step with its own noise (one shared generator)."""
+def run_batch(p, drafts, draft_probs, seed=N):
+    """Every row runs the same speculative step with its own noise (row i: seed + i)."""
     n = drafts.shape[0]
-    g = torch.Generator().manual_seed(seed)
     return sampling.rejection_sample(drafts, draft_probs, p.expand(n, *p.shape),
-                                     torch.zeros(n, dtype=torch.bool), [g] * n)
+                                     torch.zeros(n, dtype=torch.bool), range(seed, seed + n),
+                                     [0] * n)
 
 
 def sampled_drafts(q, n=N, seed=2):
@@ -168,12 +168,10 @@ def test_greedy_through_the_sampling_layer(drafts, best, expected, accepted):
     logits = torch.randn(1, len(best), v)
     logits[0, torch.arange(len(best)), torch.tensor(best)] = 10.0
     probs = sampling.target_probs(logits, [SamplingParams()])
-    g = torch.Generator().manual_seed(0)
-    state = g.get_state()
-    out, n = sampling.rejection_sample(torch.tensor([drafts]), None, probs,
-                                       torch.tensor([True]), [g])
-    assert out[0].tolist() == expected and n.tolist() == [accepted]
-    assert torch.equal(g.get_state(), state)          # greedy rows draw no noise
+    for seed in (0, 1):                               # greedy rows use no noise
+        out, n = sampling.rejection_sample(torch.tensor([drafts]), None, probs,
+                                           torch.tensor([True]), [seed], [0])
+        assert out[0].tolist() == expected and n.tolist() == [accepted]
 
 
 def test_verify_of_a_greedy_batch_equals_the_op_on_one_hot_targets():
@@ -186,10 +184,11 @@ def test_verify_of_a_greedy_batch_equals_the_op_on_one_hot_targets():
     drafts = torch.where(torch.rand(64, k, generator=g) < 0.8, best[:, :k],
                          torch.randint(0, v, (64, k), generator=g))
     params = [SamplingParams()] * 64
-    out, n = sampling.verify(drafts, None, logits, params, [None] * 64)
+    out, n = sampling.verify(drafts, None, logits, params, [0] * 64, [0] * 64)
     want_out, want_n = sampling.rejection_sample(drafts, None,
                                                  sampling.target_probs(logits, params),
-                                                 torch.ones(64, dtype=torch.bool), [None] * 64)
+                                                 torch.ones(64, dtype=torch.bool), [0] * 64,
+                                                 [0] * 64)
     assert torch.equal(out, want_out) and torch.equal(n, want_n)
     assert set(n.tolist()) == set(range(k + 1))
     with pytest.raises(ValueError, match="target_ids must be"):
@@ -208,7 +207,7 @@ def test_greedy_follows_logits_argmax_through_near_ties():
     assert soft[300] == soft[700]                     # the trap the one-hot avoids
     probs = sampling.target_probs(logits, [SamplingParams()])
     out, _ = sampling.rejection_sample(torch.tensor([[700]]), None, probs, torch.tensor([True]),
-                                       [None])
+                                       [0], [0])
     assert out[0].tolist() == [700, 50]
 
 
@@ -295,7 +294,7 @@ def test_target_probs_rejects_a_params_count_mismatch():
         sampling.target_probs(torch.randn(2, 1, 5), [SamplingParams()])
 
 
-# ------------------------------------------------------------------ params and generators
+# ----------------------------------------------------------------------- params and seeds
 
 @pytest.mark.parametrize("change, message", [
     ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
@@ -319,22 +318,18 @@ def test_sampling_params_defaults_and_greedy():
     assert SamplingParams(stop_token_ids=[1, 2]).stop_token_ids == (1, 2)
 
 
-def test_make_generator_is_seeded_or_fresh():
-    a = sampling.make_generator(SamplingParams(seed=7))
-    b = sampling.make_generator(SamplingParams(seed=7))
-    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
-    c = sampling.make_generator(SamplingParams())
-    d = sampling.make_generator(SamplingParams())
-    assert c.initial_seed() != d.initial_seed()
+def test_request_seed_is_the_given_seed_or_fresh():
+    assert sampling.request_seed(SamplingParams(seed=7)) == 7
+    fresh = {sampling.request_seed(SamplingParams()) for _ in range(4)}
+    assert len(fresh) == 4 and all(0 <= s < 2**64 for s in fresh)
 
 
-def test_noise_stream_is_coins_then_exponentials_from_the_row_generator():
+def test_rejection_sample_uses_the_coin_and_target_race_streams():
     a = dict(draft_token_ids=torch.tensor([[3, 1, 4]]), draft_probs=None,
              target_probs=torch.softmax(torch.randn(1, 4, 50), -1), is_greedy=torch.tensor([False]))
-    out = sampling.rejection_sample(**a, generators=[torch.Generator().manual_seed(11)])
-    g = torch.Generator().manual_seed(11)
-    uniform = torch.rand(1, 3, generator=g)
-    exponential = torch.empty(1, 50).exponential_(generator=g)
+    out = sampling.rejection_sample(**a, seeds=[11], offsets=[7])
+    uniform = noise.uniform([11], [7], noise.COINS, 1, 3, "cpu")[:, 0]
+    exponential = noise.exponential([11], [7], noise.TARGET_RACE, 1, 50, "cpu")[:, 0]
     want = ops.rejection_sample(**a, uniform=uniform, exponential=exponential)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
 
@@ -345,21 +340,21 @@ def test_seeded_request_is_independent_of_its_batch():
     drafts = torch.randint(0, v, (6, k), generator=torch.Generator().manual_seed(4))
     greedy = torch.tensor([False, True, False, False, True, False])
     seeds = [100, 101, 102, 103, 104, 105]
-    batch = sampling.rejection_sample(drafts, None, p, greedy,
-                                      [torch.Generator().manual_seed(s) for s in seeds])
+    offsets = [5, 9, 5, 0, 3, 12]
+    batch = sampling.rejection_sample(drafts, None, p, greedy, seeds, offsets)
     for b in range(6):
         alone = sampling.rejection_sample(drafts[b : b + 1], None, p[b : b + 1], greedy[b : b + 1],
-                                          [torch.Generator().manual_seed(seeds[b])])
+                                          seeds[b : b + 1], offsets[b : b + 1])
         assert torch.equal(batch[0][b], alone[0][0])
     by_seed = [sampling.rejection_sample(drafts, None, p, torch.zeros(6, dtype=torch.bool),
-                                         [torch.Generator().manual_seed(s)] * 6)[0]
+                                         [s] * 6, [0] * 6)[0]
                for s in range(4)]
     assert len({tuple(out.flatten().tolist()) for out in by_seed}) == 4
 
 
-def test_generators_must_match_rows():
-    with pytest.raises(ValueError, match="one generator"):
-        sampling.sample(torch.ones(3, 4), torch.zeros(3, dtype=torch.bool), [None])
+def test_seeds_and_offsets_must_match_rows():
+    with pytest.raises(ValueError, match="one seed and one offset per row: 3 rows, got 1 seeds"):
+        sampling.sample(torch.ones(3, 4), torch.zeros(3, dtype=torch.bool), [0], [0])
 
 
 # ------------------------------------------------------------------------------ sample()
@@ -367,15 +362,15 @@ def test_generators_must_match_rows():
 def test_sample_follows_probs_and_argmax_for_greedy():
     g = torch.Generator().manual_seed(5)
     p = torch.softmax(torch.randn(30, generator=g), -1)
-    tokens = sampling.sample(p.expand(N, -1), torch.zeros(N, dtype=torch.bool), [g] * N)
+    tokens = sampling.sample(p.expand(N, -1), torch.zeros(N, dtype=torch.bool), range(N), [0] * N)
     assert chi_square_pvalue(tokens, p) > ALPHA
     probs = torch.tensor([[0.1, 0.4, 0.4, 0.1], [0.3, 0.2, 0.1, 0.4]])
-    greedy = sampling.sample(probs, torch.tensor([True, True]), [None, None])
+    greedy = sampling.sample(probs, torch.tensor([True, True]), [0, 0], [0, 0])
     assert greedy.tolist() == [1, 3]
 
 
 def test_sample_seeded_rows_are_reproducible():
     probs = torch.softmax(torch.randn(4, 100), -1)
     draw = lambda: sampling.sample(probs, torch.zeros(4, dtype=torch.bool),  # noqa: E731
-                                   [torch.Generator().manual_seed(s) for s in range(4)])
+                                   range(4), [0] * 4)
     assert torch.equal(draw(), draw())

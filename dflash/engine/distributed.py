@@ -109,12 +109,12 @@ class TPWorker(Worker):
 def _state(kind: str, r: Request) -> tuple:
     """What a follower needs of a request for one call (followers keep no request state)."""
     return (r.prompt_ids if kind == "prefill" else [], r.output_ids[-1:], r.block_table,
-            r.num_cached, r.params)
+            r.num_cached, r.params, r.seed)
 
 
 def _mirror(state: tuple) -> Request:
-    prompt, pending, table, cached, params = state
-    r = Request(-1, prompt, params, None, frozenset())   # None: rank 0's draws are the ones used
+    prompt, pending, table, cached, params, seed = state
+    r = Request(-1, prompt, params, seed, frozenset())
     r.output_ids, r.block_table, r.num_cached = pending, table, cached
     return r
 

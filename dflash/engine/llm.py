@@ -238,7 +238,7 @@ class LLM:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None \
             and (detokenize or params.stop) else None
-        request = Request(self._next_id, ids, params, sampling.make_generator(params),
+        request = Request(self._next_id, ids, params, sampling.request_seed(params),
                           frozenset(stop), detok)
         self._next_id += 1
         return request

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from ..sampling import SamplingParams
 
 
@@ -65,15 +63,16 @@ class RequestOutput:
 
 class Request:
     """A prompt being decoded. `tokens` holds prompt + output; the last output token is the one
-    the next step feeds to the target (its K/V are not cached yet)."""
+    the next step feeds to the target (its K/V are not cached yet). `seed` keys its sampling
+    noise (dflash/noise.py)."""
 
     def __init__(self, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None, stop_ids: frozenset[int], detok=None):
+                 seed: int, stop_ids: frozenset[int], detok=None):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
-        self.generator = generator
+        self.seed = seed
         self.stop_ids = stop_ids
         self.block_table: list[int] = []
         self.num_cached = 0   # tokens with cached target K/V and draft context, except:

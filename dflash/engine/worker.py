@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import sampling
+from .. import noise, sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
 from ..models.layers import build_metadata, pack_linear_weight
 from .request import Request
@@ -104,7 +104,7 @@ class Worker:
             r.num_cached = n
         params = [r.params for r in requests]
         probs = sampling.target_probs(logits[:, None], params)[:, 0]
-        first = sampling.sample(probs, self._is_greedy(requests), self._generators(requests))
+        first = sampling.sample(probs, self._is_greedy(requests), self._seeds(requests), lengths)
         first = first.tolist()
         self.prefill_seconds += time.perf_counter() - start
         return first
@@ -136,9 +136,9 @@ class Worker:
         if self.draft_sampling == "greedy":
             return greedy_drafts(logits, self.draft_vocab), None
         probs = sampling.target_probs(logits, [r.params for r in inputs.requests])
-        generators = [g for g in self._generators(inputs.requests) for _ in range(k)]
-        greedy = self._is_greedy(inputs.requests).repeat_interleave(k)
-        drafts = sampling.sample(probs.flatten(0, 1), greedy, generators).view(bs, k)
+        drafts = sampling.sample(probs, self._is_greedy(inputs.requests),
+                                 self._seeds(inputs.requests), self._offsets(inputs.requests),
+                                 noise.DRAFT_RACE)
         if self.draft_vocab is not None:   # q is zero outside the draft vocabulary
             full = probs.new_zeros(bs, k, self.target.cfg.vocab_size)
             probs = full.index_copy_(2, self.draft_vocab, probs)
@@ -196,7 +196,8 @@ class Worker:
             tokens, counts = sampling.verify(
                 draft_ids[idx, :k], None if draft_probs is None else draft_probs[idx, :k],
                 logits[rows].view(len(group), k + 1, -1), [requests[i].params for i in group],
-                self._generators([requests[i] for i in group]))
+                self._seeds([requests[i] for i in group]),
+                self._offsets([requests[i] for i in group]))
             for i, row, a in zip(group, tokens.tolist(), counts.tolist()):
                 out[i], accepted[i] = row, a
         return out, accepted
@@ -324,7 +325,7 @@ class Worker:
         b = self.block_size
         requests = []
         for table in tables:
-            r = Request(-1, [0] * context, sampling.SamplingParams(), None, frozenset())
+            r = Request(-1, [0] * context, sampling.SamplingParams(), 0, frozenset())
             r.block_table, r.num_cached, r.output_ids = table, context, [1]
             requests.append(r)
         g = torch.Generator().manual_seed(0)
@@ -359,8 +360,14 @@ class Worker:
         return torch.tensor([r.params.is_greedy for r in requests], device=self.device)
 
     @staticmethod
-    def _generators(requests):
-        return [r.generator for r in requests]
+    def _seeds(requests):
+        return [r.seed for r in requests]
+
+    @staticmethod
+    def _offsets(requests):
+        """The noise offset of a decode step: the position of the first token it decides (the
+        one after the pending token), so a request's steps never share noise."""
+        return [r.num_cached + 1 for r in requests]
 
 
 def _fastest_seconds(fn, repeats: int) -> float:
