@@ -35,9 +35,9 @@ def fresh_seed() -> int:
 def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """High and low 32-bit words of a * m for 32-bit words a and constant m: a * m is summed
     from a * (16-bit halves of m), each below 2**48."""
-    p0, p1 = a * (m & 0xFFFF), a * (m >> 16)
-    t = p0 + ((p1 & 0xFFFF) << 16)
-    return (t >> 32) + (p1 >> 16), t & _MASK32
+    p1 = a * (m >> 16)
+    t = (a * (m & 0xFFFF)).add_((p1 & 0xFFFF).bitwise_left_shift_(16))
+    return (t >> 32).add_(p1.bitwise_right_shift_(16)), t.bitwise_and_(_MASK32)
 
 
 def philox4x32(counter: Sequence[torch.Tensor | int], key: Sequence[torch.Tensor | int]
