@@ -32,9 +32,9 @@ def fresh_seed() -> int:
     return secrets.randbits(64)
 
 
-def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of a * m for 32-bit words a and constant m: a * m is summed
-    from a * (16-bit halves of m), each below 2**48."""
+def _mulhilo(a: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of a * m for 32-bit words a and m: a * m is summed from
+    a * (16-bit halves of m), each below 2**48."""
     p1 = a * (m >> 16)
     t = (a * (m & 0xFFFF)).add_((p1 & 0xFFFF).bitwise_left_shift_(16))
     return (t >> 32).add_(p1.bitwise_right_shift_(16)), t.bitwise_and_(_MASK32)
@@ -43,15 +43,26 @@ def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 def philox4x32(counter: Sequence[torch.Tensor | int], key: Sequence[torch.Tensor | int]
                ) -> tuple[torch.Tensor, ...]:
     """Philox4x32-10 of the 32-bit words counter (c0, c1, c2, c3) under key (k0, k1): four
-    32-bit words (int64 tensors, broadcast over the inputs' shapes)."""
-    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
-    k0, k1 = (torch.as_tensor(k, dtype=torch.int64) for k in key)
+    32-bit words (int64 tensors, broadcast over the inputs' shapes).
+
+    The words are held as two stacks, (c0, c2) which are multiplied and (c1, c3) which are
+    mixed in, so each round is one pass of tensor ops over both lanes (fewer, larger ops)."""
+    c0, c1, c2, c3 = torch.broadcast_tensors(
+        *(torch.as_tensor(c, dtype=torch.int64) for c in counter))
+    multiplied, mixed = torch.stack([c0, c2]), torch.stack([c1, c3])
+    key = torch.stack(torch.broadcast_tensors(*(torch.as_tensor(k, dtype=torch.int64)
+                                                for k in key)))
+    lanes = (2,) + (1,) * (multiplied.dim() - 1)          # the stack dim leads, then broadcast
+    key = key.view((2,) + (1,) * (multiplied.dim() - key.dim()) + key.shape[1:])
+    m = torch.tensor([_M0, _M1], device=multiplied.device).view(lanes)
+    w = torch.tensor([_W0, _W1], device=multiplied.device).view(lanes)
     for _ in range(_ROUNDS):
-        hi0, lo0 = _mulhilo(c0, _M0)
-        hi1, lo1 = _mulhilo(c2, _M1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-    return c0, c1, c2, c3
+        hi, lo = _mulhilo(multiplied, m)
+        # c0' = hi(c2 * M1) ^ c1 ^ k0, c2' = hi(c0 * M0) ^ c3 ^ k1, c1' = lo(c2 * M1),
+        # c3' = lo(c0 * M0)
+        multiplied, mixed = hi.flip(0).bitwise_xor_(mixed).bitwise_xor_(key), lo.flip(0)
+        key = (key + w) & _MASK32
+    return multiplied[0], mixed[0], multiplied[1], mixed[1]
 
 
 def bits(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int, n: int,
