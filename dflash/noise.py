@@ -32,43 +32,46 @@ def fresh_seed() -> int:
     return secrets.randbits(64)
 
 
-def _mulhilo(a: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of a * m for 32-bit words a and m: a * m is summed from
-    a * (16-bit halves of m), each below 2**48."""
-    p1 = a * (m >> 16)
-    t = (a * (m & 0xFFFF)).add_((p1 & 0xFFFF).bitwise_left_shift_(16))
-    return (t >> 32).add_(p1.bitwise_right_shift_(16)), t.bitwise_and_(_MASK32)
+def _mulhilo_(a: torch.Tensor, m: int, t: torch.Tensor, hi: torch.Tensor) -> None:
+    """a * m for 32-bit words a and a 32-bit constant m: the low words replace a, the high words
+    go to hi (t: scratch). With m = mh * 2**16 + ml, a * m = p * 2**16 + t for p = a * mh and
+    t = a * ml, both below 2**48, so hi = (p + (t >> 16)) >> 16 and
+    lo = ((p mod 2**16) * 2**16 + t) mod 2**32."""
+    torch.mul(a, m & 0xFFFF, out=t)
+    a.mul_(m >> 16)
+    torch.bitwise_right_shift(t, 16, out=hi).add_(a).bitwise_right_shift_(16)
+    a.bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(t).bitwise_and_(_MASK32)
 
 
 def philox4x32(counter: Sequence[torch.Tensor | int], key: Sequence[torch.Tensor | int]
                ) -> tuple[torch.Tensor, ...]:
     """Philox4x32-10 of the 32-bit words counter (c0, c1, c2, c3) under key (k0, k1): four
-    32-bit words (int64 tensors, broadcast over the inputs' shapes).
+    32-bit words (int64 tensors of the broadcast shape of the inputs).
 
-    The words are held as two stacks, (c0, c2) which are multiplied and (c1, c3) which are
-    mixed in, so each round is one pass of tensor ops over both lanes (fewer, larger ops)."""
-    c0, c1, c2, c3 = torch.broadcast_tensors(
-        *(torch.as_tensor(c, dtype=torch.int64) for c in counter))
-    multiplied, mixed = torch.stack([c0, c2]), torch.stack([c1, c3])
-    key = torch.stack(torch.broadcast_tensors(*(torch.as_tensor(k, dtype=torch.int64)
-                                                for k in key)))
-    lanes = (2,) + (1,) * (multiplied.dim() - 1)          # the stack dim leads, then broadcast
-    key = key.view((2,) + (1,) * (multiplied.dim() - key.dim()) + key.shape[1:])
-    m = torch.tensor([_M0, _M1], device=multiplied.device).view(lanes)
-    w = torch.tensor([_W0, _W1], device=multiplied.device).view(lanes)
+    Every round works in place on seven buffers of that shape: the four words, two for the high
+    products and one scratch; the buffers of the words a round replaces take the next round's
+    high products. (Fresh tensors per operation would cost a page-faulting allocation each.)"""
+    counter = [torch.as_tensor(c, dtype=torch.int64) for c in counter]
+    k0, k1 = (torch.as_tensor(k, dtype=torch.int64) for k in key)
+    shape = torch.broadcast_shapes(*(c.shape for c in counter), k0.shape, k1.shape)
+    c0, c1, c2, c3 = (c.expand(shape).clone(memory_format=torch.contiguous_format)
+                      for c in counter)
+    t, hi0, hi2 = (torch.empty_like(c0) for _ in range(3))
     for _ in range(_ROUNDS):
-        hi, lo = _mulhilo(multiplied, m)
-        # c0' = hi(c2 * M1) ^ c1 ^ k0, c2' = hi(c0 * M0) ^ c3 ^ k1, c1' = lo(c2 * M1),
+        _mulhilo_(c0, _M0, t, hi0)
+        _mulhilo_(c2, _M1, t, hi2)
+        # c0' = hi(c2 * M1) ^ c1 ^ k0, c1' = lo(c2 * M1), c2' = hi(c0 * M0) ^ c3 ^ k1,
         # c3' = lo(c0 * M0)
-        multiplied, mixed = hi.flip(0).bitwise_xor_(mixed).bitwise_xor_(key), lo.flip(0)
-        key = (key + w) & _MASK32
-    return multiplied[0], mixed[0], multiplied[1], mixed[1]
+        hi2.bitwise_xor_(c1).bitwise_xor_(k0)
+        hi0.bitwise_xor_(c3).bitwise_xor_(k1)
+        c0, c1, c2, c3, hi0, hi2 = hi2, c2, hi0, c0, c1, c3
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return c0, c1, c2, c3
 
 
-def bits(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int, n: int,
-         device) -> torch.Tensor:
-    """Random 32-bit words [len(seeds), rows, n] (int64): element e of row j for request i is
-    counted by (e // 4, offsets[i], stream, j) under key seeds[i]."""
+def _lanes(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int, n: int,
+           device) -> tuple[torch.Tensor, ...]:
+    """The four Philox words [len(seeds), rows, ceil(n / 4)] of `bits`, not yet interleaved."""
     if len(seeds) != len(offsets):
         raise ValueError(f"expected one offset per seed, got {len(seeds)} seeds and "
                          f"{len(offsets)} offsets")
@@ -80,9 +83,20 @@ def bits(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int, n
     offset = torch.tensor(offsets, dtype=torch.int64, device=device).view(-1, 1, 1)
     row = torch.arange(rows, device=device).view(1, -1, 1)
     element = torch.arange(-(-n // 4), device=device).view(1, 1, -1)
-    words = philox4x32((element, offset, stream, row), (keys[:, 0], keys[:, 1]))
-    words = torch.broadcast_tensors(*words)
-    return torch.stack(words, -1).flatten(-2)[..., :n]
+    return philox4x32((element, offset, stream, row), (keys[:, 0], keys[:, 1]))
+
+
+def _interleave(lanes: Sequence[torch.Tensor], n: int) -> torch.Tensor:
+    """Element e of the result is element e // 4 of lane e % 4 (the first n elements)."""
+    return torch.stack(lanes, -1).flatten(-2)[..., :n]
+
+
+def bits(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int, n: int,
+         device) -> torch.Tensor:
+    """Random 32-bit words [len(seeds), rows, n] (int64): element e of row j for request i is
+    word e % 4 of the Philox output for counter (e // 4, offsets[i], stream, j) under key
+    seeds[i]."""
+    return _interleave(_lanes(seeds, offsets, stream, rows, n, device), n)
 
 
 def uniform(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int, n: int,
@@ -93,13 +107,15 @@ def uniform(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int
 
 def exponential(seeds: Sequence[int], offsets: Sequence[int], stream: int, rows: int, n: int,
                 device) -> torch.Tensor:
-    """float32 [len(seeds), rows, n] Exp(1) noise, never 0 (a 0 would win the race outright)."""
-    return exponential_of(bits(seeds, offsets, stream, rows, n, device))
+    """float32 [len(seeds), rows, n] Exp(1) noise of `bits`' words, never 0 (a 0 would win the
+    race outright). Converted lane by lane, so the interleaving moves float32, not int64."""
+    lanes = _lanes(seeds, offsets, stream, rows, n, device)
+    return _interleave([exponential_of(w) for w in lanes], n)
 
 
 def exponential_of(words: torch.Tensor) -> torch.Tensor:
     """Exp(1) values of 32-bit words: E = -log(1 - w) with w = (words + 1/2) / 2**32. Small E,
     the values that decide the race, keep the resolution of 32 bits (the smallest is 2**-33 > 0);
     w is capped below 1 (float32 rounds the largest words up to 1, whose E would be infinite)."""
-    w = (words.float() + 0.5) * 2.0 ** -32
-    return -torch.log1p(-w.clamp_max_(1 - 2.0 ** -24))
+    w = words.to(torch.float32, copy=True).add_(0.5).mul_(2.0 ** -32).clamp_max_(1 - 2.0 ** -24)
+    return w.neg_().log1p_().neg_()

@@ -13,14 +13,30 @@ ALPHA = 1e-3
 
 
 # counter, key -> output: the known-answer vectors of the Philox authors (Random123 kat_vectors)
-@pytest.mark.parametrize("counter, key, want", [
+KNOWN_ANSWERS = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-])
+]
+
+
+@pytest.mark.parametrize("counter, key, want", KNOWN_ANSWERS)
 def test_philox_matches_the_known_answers(counter, key, want):
     assert tuple(int(w) for w in noise.philox4x32(counter, key)) == want
+
+
+def test_philox_of_tensors_matches_the_known_answers_and_leaves_its_inputs():
+    """All vectors in one call, as tensors (each a column, repeated over a second axis; the key
+    broadcast along it): the in-place rounds give the same words and do not write the inputs."""
+    counter = [torch.tensor([[c[w]] * 5 for c, _, _ in KNOWN_ANSWERS]) for w in range(4)]
+    key = [torch.tensor([[k[w]] for _, k, _ in KNOWN_ANSWERS]) for w in range(2)]
+    before = [x.clone() for x in counter + key]
+    words = noise.philox4x32(counter, key)
+    want = torch.tensor([w for _, _, w in KNOWN_ANSWERS])
+    for w in range(4):
+        assert torch.equal(words[w], want[:, w, None].expand(3, 5))
+    assert all(torch.equal(x, y) for x, y in zip(counter + key, before))
 
 
 def _chi_square_uniform_pvalue(x: torch.Tensor, bins: int = 64) -> float:

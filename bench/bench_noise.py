@@ -1,0 +1,50 @@
+"""Micro-benchmark of the sampling noise (dflash/noise.py) against torch's own Exp(1) draws.
+
+The Exp(1) noise of one exponential race per sequence, [batch, V] float32, every row with its
+own seed: `noise.exponential` (Philox4x32-10 in tensor ops, computed where the probabilities
+live) against `torch.empty(batch, V).exponential_()` (torch's CPU generator, what a host-side
+draw costs before any copy to a device), at SmolLM2's and Qwen3's vocabularies, with 1 thread
+and with torch's default thread count; each figure is the fastest of several runs in the same
+process.
+
+    python bench/bench_noise.py [--threads N]   # from the repository root
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dflash
+
+import torch  # noqa: E402
+from common import fastest, write  # noqa: E402
+
+from dflash import noise  # noqa: E402
+
+SHAPES = [(4, 49152), (16, 151936)]
+
+
+def case(batch: int, v: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    seeds, offsets = list(range(batch)), [1] * batch
+    philox = fastest(lambda: noise.exponential(seeds, offsets, noise.TARGET_RACE, 1, v, "cpu"), 25)
+    torch_s = fastest(lambda: torch.empty(batch, v).exponential_(), 25)
+    return {"shape": f"[{batch}, {v}]", "threads": threads, "noise.exponential ms": philox * 1e3,
+            "exponential_ ms": torch_s * 1e3, "ratio": philox / torch_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, help="torch threads (default: 1 and torch's choice)")
+    cli = parser.parse_args()
+    threads = [cli.threads] if cli.threads else sorted({1, torch.get_num_threads()})
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    rows = [case(b, v, t) for b, v in SHAPES for t in threads]
+    write("noise" + (f"_{cli.threads}thread" if cli.threads else ""), rows, list(rows[0]))
+
+
+if __name__ == "__main__":
+    main()
