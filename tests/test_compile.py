@@ -44,7 +44,7 @@ def _decode(models, step=decode_step, uniform=True):
         return out
 
     worker.decode_step = recorded
-    requests = [Request(i, p, SamplingParams(max_tokens=10 * TOKENS), None, frozenset())
+    requests = [Request(i, p, SamplingParams(max_tokens=10 * TOKENS), 0, frozenset())
                 for i, p in enumerate(PROMPTS)]
     for i, r in enumerate(requests):   # every block table as wide: one shape for every step
         r.block_table = list(range(i * BLOCKS, (i + 1) * BLOCKS))
