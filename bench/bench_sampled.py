@@ -1,5 +1,5 @@
-"""Sampled DFlash decoding on the bundled pair (temperature 0.7): tok/s at concurrency 1 and 4, and
-the share of the decode time spent in rejection sampling, alone (`dflash.ops.rejection_sample`)
+"""Sampled DFlash decoding on the bundled pair (temperature 0.7, fixed blocks): tok/s and tau at
+concurrency 1 and 4, and the share of the decode time spent in rejection sampling, alone (`dflash.ops.rejection_sample`)
 and with the noise it consumes (`dflash.sampling.rejection_sample`).
 
     python bench/bench_sampled.py [--num-prompts 8] [--max-tokens 128] [--dtype auto]
@@ -60,6 +60,7 @@ def main() -> None:
         params = [SamplingParams(temperature=0.7, max_tokens=args.max_tokens, seed=i)
                   for i in range(len(prompts))]
         llm.generate(prompts[:2], SamplingParams(temperature=0.7, max_tokens=32))   # warm-up
+        llm.reset_metrics()
         llm.worker.prefill_seconds = with_noise.seconds = op.seconds = 0.0
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
@@ -67,10 +68,11 @@ def main() -> None:
         tokens = sum(len(o.token_ids) for o in outputs)
         rows.append({"concurrency": concurrency,
                      "dtype": str(llm.dtype).removeprefix("torch."), "tokens": tokens,
+                     "tau": llm.metrics()["mean_acceptance_length"],
                      "decode_tok_s": tokens / decode,
                      "rejection_op_share": op.seconds / decode,
                      "rejection_with_noise_share": with_noise.seconds / decode})
-    write(args.name, rows, ["concurrency", "dtype", "tokens", "decode_tok_s",
+    write(args.name, rows, ["concurrency", "dtype", "tokens", "tau", "decode_tok_s",
                             "rejection_op_share", "rejection_with_noise_share"])
 
 
