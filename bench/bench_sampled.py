@@ -1,6 +1,6 @@
 """Sampled DFlash decoding on the bundled pair (temperature 0.7, fixed blocks): tok/s and tau at
-concurrency 1 and 4, and the share of the decode time spent in rejection sampling, alone (`dflash.ops.rejection_sample`)
-and with the noise it consumes (`dflash.sampling.rejection_sample`).
+concurrency 1 and 4, and the share of the decode time spent in rejection sampling, alone
+(`dflash.ops.rejection_sample`) and with the noise it consumes (`dflash.sampling.rejection_sample`).
 
     python bench/bench_sampled.py [--num-prompts 8] [--max-tokens 128] [--dtype auto]
 
