@@ -20,9 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dflash
 
 import torch  # noqa: E402
-from common import fastest, write  # noqa: E402
+from common import write  # noqa: E402
 
 from dflash import noise  # noqa: E402
+from dflash.engine.cost_model import fastest_seconds  # noqa: E402
 
 SHAPES = [(4, 49152), (16, 151936)]
 
@@ -30,8 +31,9 @@ SHAPES = [(4, 49152), (16, 151936)]
 def case(batch: int, v: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     seeds, offsets = list(range(batch)), [1] * batch
-    philox = fastest(lambda: noise.exponential(seeds, offsets, noise.TARGET_RACE, 1, v, "cpu"), 25)
-    torch_s = fastest(lambda: torch.empty(batch, v).exponential_(), 25)
+    philox = fastest_seconds(
+        lambda: noise.exponential(seeds, offsets, noise.TARGET_RACE, 1, v, "cpu"), 25)
+    torch_s = fastest_seconds(lambda: torch.empty(batch, v).exponential_(), 25)
     return {"shape": f"[{batch}, {v}]", "threads": threads, "noise.exponential ms": philox * 1e3,
             "exponential_ ms": torch_s * 1e3, "ratio": philox / torch_s}
 

@@ -28,18 +28,6 @@ def timeit(fn, warmup: int = 3, min_time: float = 0.5, min_runs: int = 5) -> flo
     return statistics.median(times)
 
 
-def fastest(fn, runs: int = 9) -> float:
-    """Fastest wall time of fn() in seconds over `runs` runs after one warm-up (on a shared host
-    the fastest run is the one least disturbed)."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def copy_bandwidth(nbytes: int) -> float:
     """Bytes/s of a plain tensor copy of `nbytes` (read + write counted once each, like a kernel
     that reads its input once and writes its output once)."""

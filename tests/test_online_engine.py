@@ -7,7 +7,7 @@ import torch
 from dflash import LLM, SamplingParams
 from dflash.engine import LLMEngine
 from dflash.engine.detokenizer import IncrementalDetokenizer
-from dflash.testing import CharTokenizer, make_tiny_draft, make_tiny_target, save_byte_tokenizer
+from dflash.testing import CharTokenizer, make_tiny_pair, save_byte_tokenizer
 
 B = 8
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
@@ -16,10 +16,7 @@ PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("online")
-    make_tiny_target(root / "target", "qwen3")
-    make_tiny_draft(root / "draft", root / "target", num_layers=2, block_size=B)
-    return root / "target", root / "draft"
+    return make_tiny_pair(tmp_path_factory.mktemp("online"), B)[:2]
 
 
 @pytest.fixture(scope="module")

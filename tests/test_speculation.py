@@ -17,7 +17,7 @@ from dflash.engine import worker as worker_module
 from dflash.engine.cache import BlockAllocator
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Acceptance, Planner, choose_num_drafts, step_rate
-from dflash.testing import RandomVerifySchedule, make_tiny_draft, make_tiny_target
+from dflash.testing import RandomVerifySchedule, make_tiny_draft, make_tiny_pair, make_tiny_target
 
 B = 8
 PROMPTS = [[(5 * i + 7 * j) % 90 + 1 for j in range(n)]
@@ -26,10 +26,7 @@ PROMPTS = [[(5 * i + 7 * j) % 90 + 1 for j in range(n)]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("speculation")
-    make_tiny_target(root / "target", "qwen3")
-    make_tiny_draft(root / "draft", root / "target", num_layers=2, block_size=B)
-    return root / "target", root / "draft"
+    return make_tiny_pair(tmp_path_factory.mktemp("speculation"), B)[:2]
 
 
 # ------------------------------------------------------------------------------- the chooser

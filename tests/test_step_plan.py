@@ -13,7 +13,7 @@ import dflash.ops
 from dflash import LLM, SamplingParams, checks, reference
 from dflash.engine import LLMEngine
 from dflash.models.layers import build_metadata
-from dflash.testing import CharTokenizer, make_tiny_draft, make_tiny_target
+from dflash.testing import CharTokenizer, make_tiny_pair
 
 B = 4
 PROMPTS = [[(5 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([6, 11, 3, 9])]
@@ -45,10 +45,7 @@ def test_plan_rejects_bad_indices(tables, starts, lengths, message):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("plan")
-    make_tiny_target(root / "target", "qwen3")
-    make_tiny_draft(root / "draft", root / "target", num_layers=2, block_size=B)
-    return root / "target", root / "draft"
+    return make_tiny_pair(tmp_path_factory.mktemp("plan"), B)[:2]
 
 
 class Emulated:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,18 @@ def _interpolate(points: dict[int, float], x):
     i = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return np.maximum(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+def fastest_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed runs of fn() after a warm-up: what the work costs when
+    nothing else interrupts it (a median still carries the preemptions of a busy machine)."""
+    fn()   # warm-up: first-call allocations, kernel selection
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def powers_of_two_to(limit: int) -> list[int]:

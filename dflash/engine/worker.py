@@ -28,6 +28,7 @@ import torch
 from .. import noise, sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
 from ..models.layers import build_metadata, pack_linear_weight
+from .cost_model import fastest_seconds
 from .request import Request
 from .step import decode_step, draft_logits, greedy_drafts
 
@@ -344,12 +345,12 @@ class Worker:
         def draft(n: int) -> None:
             self.run_decode_draft(self.prepare_query_inputs(requests[:n]))
 
-        target_s = {rows: _fastest_seconds(lambda r=rows: verify(packed(r)), repeats)
+        target_s = {rows: fastest_seconds(lambda r=rows: verify(packed(r)), repeats)
                     for rows in rows_grid}
         draft_s = {} if self.draft is None else \
-            {n: _fastest_seconds(lambda n=n: draft(n), repeats) for n in seqs_grid}
+            {n: fastest_seconds(lambda n=n: draft(n), repeats) for n in seqs_grid}
         decode_s = {} if b == 1 else \
-            {n: _fastest_seconds(lambda n=n: verify([0] * n), repeats) for n in seqs_grid}
+            {n: fastest_seconds(lambda n=n: verify([0] * n), repeats) for n in seqs_grid}
         return target_s, draft_s, decode_s
 
     # ----------------------------------------------------------------------------- helpers
@@ -368,15 +369,3 @@ class Worker:
         """The noise offset of a decode step: the position of the first token it decides (the
         one after the pending token), so a request's steps never share noise."""
         return [r.num_cached + 1 for r in requests]
-
-
-def _fastest_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed runs after a warm-up: what the work costs when nothing
-    else interrupts it (a median still carries the preemptions of a busy machine)."""
-    fn()   # warm-up: first-call allocations, kernel selection
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
