@@ -86,9 +86,10 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         temperature: float, block_size: int | None, dtype: str, out_dir, seed: int = 0,
         tp_size: int = 1, rounds: int = 1, modes: tuple[str, ...] = MODES,
         recalibrate: bool = False) -> list:
-    """Every mode of MODES asked for, on the same prompts, at every concurrency. `rounds` > 1
-    repeats the modes, in reverse order every other round (A F T, T F A, ...): the machine's speed
-    drifts over minutes, and a drift then weighs on every mode alike."""
+    """Every mode of MODES asked for, on the same prompts, at every concurrency. The modes of one
+    concurrency run back to back, in the reverse order of the concurrency before and of the same
+    concurrency's previous round (A F T, T F A, ...; `rounds` repeats the whole): the machine's
+    speed drifts over minutes, and a drift then weighs on every mode alike."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     unknown = [m for m in modes if m not in MODES]
@@ -100,33 +101,51 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
     prompts_text = load_dataset(dataset, num_prompts)
     print(f"host: {host.summary()}")
     engines: dict[str, dict] = {}
+    live: dict[str, LLM] = {}
 
-    def measure(mode: str) -> list:
-        # one engine at a time: a tensor-parallel engine owns the process group while it lives
+    def engine(mode: str) -> LLM:
+        """Each mode's engine, built once; with tensor parallelism only one lives at a time (it
+        owns the process group while it lives)."""
+        if mode in live:
+            return live[mode]
+        if tp_size > 1:
+            close_all()
         spec = mode != "target_only"
-        with LLM(target, draft if spec else None, dtype=dtype,
-                 block_size=block_size if spec else None, max_num_seqs=max(concurrencies),
-                 tp_size=tp_size, speculation="fixed" if mode == "fixed" else "adaptive",
-                 recalibrate=recalibrate and mode not in engines) as llm:
-            if mode not in engines:
-                engines[mode] = {"dtype": str(llm.dtype).removeprefix("torch."),
-                                 "cost_model": None if llm.cost_model is None
-                                 else llm.cost_model.to_json()}
-                if llm.cost_model is not None:
-                    print(f"cost model ({mode}, {engines[mode]['dtype']}):\n"
-                          f"{llm.cost_model.table()}")
-            prompts = [llm.chat_prompt(p) for p in prompts_text]
-            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                     seed=seed + i) for i in range(len(prompts))]
-            return [_run(llm, prompts, params, c) for c in concurrencies]
+        llm = live[mode] = LLM(
+            target, draft if spec else None, dtype=dtype, block_size=block_size if spec else None,
+            max_num_seqs=max(concurrencies), tp_size=tp_size,
+            speculation="fixed" if mode == "fixed" else "adaptive",
+            recalibrate=recalibrate and mode not in engines)
+        if mode not in engines:
+            engines[mode] = {"dtype": str(llm.dtype).removeprefix("torch."),
+                             "cost_model": None if llm.cost_model is None
+                             else llm.cost_model.to_json()}
+            if llm.cost_model is not None:
+                print(f"cost model ({mode}, {engines[mode]['dtype']}):\n"
+                      f"{llm.cost_model.table()}")
+        return llm
 
-    results: dict[str, list] = {m: [] for m in modes}
-    for r in range(rounds):
-        for mode in modes if r % 2 == 0 else modes[::-1]:
-            results[mode].append(measure(mode))
+    def close_all() -> None:
+        for llm in live.values():
+            llm.close()
+        live.clear()
+
+    results: dict[str, list] = {m: [[] for _ in concurrencies] for m in modes}
+    try:
+        for r in range(rounds):
+            for i in range(len(concurrencies)):
+                order = modes if (r + i) % 2 == 0 else modes[::-1]
+                for mode in order:
+                    llm = engine(mode)
+                    prompts = [llm.chat_prompt(p) for p in prompts_text]
+                    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                             seed=seed + j) for j in range(len(prompts))]
+                    results[mode][i].append(_run(llm, prompts, params, concurrencies[i]))
+    finally:
+        close_all()
     rows = []
     for i, c in enumerate(concurrencies):
-        combined = {m: _combine([x[i] for x in results[m]]) for m in modes}
+        combined = {m: _combine(results[m][i]) for m in modes}
         row = {"target": Path(str(target)).name, "draft": Path(str(draft)).name,
                "dataset": dataset, "concurrency": c, "prompts": len(prompts_text),
                "rounds": rounds, "modes": {}}

@@ -295,8 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(DFlash, full blocks), target_only (the baseline, required)")
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
     p.add_argument("--rounds", type=int, default=1,
-                   help="repeat both modes in alternating order; tok/s over all rounds "
-                        "(the JSON counts prompts whose tokens were the same in every round)")
+                   help="repeat the modes of every concurrency, in alternating order; tok/s over "
+                        "all rounds (the JSON counts prompts whose tokens were the same in every "
+                        "round)")
     add_parallel_args(p)
     p.set_defaults(func=_bench, no_draft=False)
 

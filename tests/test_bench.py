@@ -17,28 +17,36 @@ def test_accepted_length_histogram_from_prefix_counts():
 
 @pytest.fixture
 def tiny_bench(tmp_path, monkeypatch):
-    """bench.run on tiny checkpoints and 3 prompts; `engines` records each engine's draft."""
+    """bench.run on tiny checkpoints and 3 prompts; `engines` records each engine built (its
+    draft), `measured` each measurement (the engine's draft, the concurrency)."""
     make_tiny_target(tmp_path / "t", "qwen3")
     make_tiny_draft(tmp_path / "d", tmp_path / "t", block_size=4)
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(3)))
-    engines, original = [], bench.LLM
+    engines, measured, drafts = [], [], {}
+    original_llm, original_run = bench.LLM, bench._run
 
     def llm(target, draft, **kw):
         engines.append(draft)
-        return original(target, draft, **kw, tokenizer=CharTokenizer())
+        engine = original_llm(target, draft, **kw, tokenizer=CharTokenizer())
+        drafts[id(engine)] = draft
+        return engine
+
+    def measure(engine, prompts, params, concurrency):
+        measured.append((drafts[id(engine)], concurrency))
+        return original_run(engine, prompts, params, concurrency)
 
     monkeypatch.setattr(bench, "LLM", llm)
+    monkeypatch.setattr(bench, "_run", measure)
 
     def run(concurrencies, **kw):
         return bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, concurrencies, 12, 0.0,
                          None, "float32", tmp_path / "out", **kw)
-    return run, engines, tmp_path
+    return SimpleNamespace(run=run, engines=engines, measured=measured, path=tmp_path)
 
 
 def test_bench_writes_rows_json_and_plot(tiny_bench):
-    run, _, tmp_path = tiny_bench
-    rows = run([1, 2])
+    rows, tmp_path = tiny_bench.run([1, 2]), tiny_bench.path
     assert [r["concurrency"] for r in rows] == [1, 2]
     for r in rows:
         assert r["prompts"] == 3 and r["generated_tokens"] == 36 and r["identical"] == 3
@@ -60,19 +68,28 @@ def test_bench_writes_rows_json_and_plot(tiny_bench):
     assert (tmp_path / "out" / "bench_q.png").stat().st_size > 1000
 
 
-def test_rounds_alternate_the_order_of_the_modes(tiny_bench):
-    run, engines, tmp_path = tiny_bench
-    [row] = run([1], rounds=3, modes=("fixed", "target_only"))
-    draft = tmp_path / "d"
-    assert engines == [draft, None, None, draft, draft, None]
+def test_modes_of_a_concurrency_run_back_to_back_in_alternating_order(tiny_bench):
+    [row] = tiny_bench.run([1], rounds=3, modes=("fixed", "target_only"))
+    draft = tiny_bench.path / "d"
+    assert tiny_bench.engines == [draft, None]   # one engine per mode for the whole run
+    assert tiny_bench.measured == [(draft, 1), (None, 1), (None, 1), (draft, 1), (draft, 1),
+                                   (None, 1)]
     assert "fixed_tok_s" not in row and row["modes"].keys() == {"fixed", "target_only"}
     assert len(row["speedup_per_round"]) == 3 and row["rounds"] == 3
     assert row["generated_tokens"] == 36 and row["identical"] == 3
     assert row["same_in_every_round"] == 3   # float32 greedy: every round the same tokens
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
-        run([1], rounds=0)
+        tiny_bench.run([1], rounds=0)
     with pytest.raises(ValueError, match="modes must include target_only"):
-        run([1], modes=("adaptive", "fixed"))
+        tiny_bench.run([1], modes=("adaptive", "fixed"))
+
+
+def test_rounds_repeat_every_concurrency_with_the_order_mirrored(tiny_bench):
+    rows = tiny_bench.run([1, 2], rounds=2, modes=("fixed", "target_only"))
+    draft = tiny_bench.path / "d"
+    assert tiny_bench.measured == [(draft, 1), (None, 1), (None, 2), (draft, 2),
+                                   (None, 1), (draft, 1), (draft, 2), (None, 2)]
+    assert [len(r["speedup_per_round"]) for r in rows] == [2, 2]
 
 
 def test_combine_flags_prompts_whose_tokens_changed_between_rounds():
