@@ -324,24 +324,19 @@ def sequence_metadata(start: int, length: int, blocks: list[int], block_size: in
 
 class RandomVerifySchedule:
     """A stand-in for the engine's planner (`LLM.planner`) that verifies random lengths in
-    0..k_max, every one 0 on some steps, drafted from a random draft block (the full block
-    k_max + 1 or a shorter one of at least 2, with lengths below it; seeded); `steps` records
-    the lengths and `blocks` the draft blocks."""
+    0..k_max, every one 0 on some steps (seeded); `steps` records its choices."""
 
     def __init__(self, seed: int, k_max: int):
         self.rng = random.Random(seed)
-        self.k_max, self.steps, self.blocks = k_max, [], []
+        self.k_max, self.steps = k_max, []
 
     def plan(self, requests):
-        block = self.rng.choice([self.k_max + 1, self.k_max + 1, max(2, (self.k_max + 1) // 2),
-                                 2])
         if self.rng.random() < 0.2:
             ks = [0] * len(requests)
         else:
-            ks = [min(self.rng.choice([0, 0, 1, 2, self.k_max]), block - 1) for _ in requests]
+            ks = [self.rng.choice([0, 0, 1, 2, self.k_max]) for _ in requests]
         self.steps.append(ks)
-        self.blocks.append(block)
-        return ks, block
+        return ks
 
     def observe(self, *args):
         pass

@@ -49,7 +49,7 @@ class CostModelFns:
     def __init__(self, target, draft):
         self.target, self.draft = target, draft
 
-    def step(self, sequences, rows, drafting, block=None):
+    def step(self, sequences, rows, drafting):
         return self.target(rows) + self.draft(drafting)
 
 
@@ -104,7 +104,7 @@ def test_planner_stops_speculating_when_it_cannot_pay_and_probes_later():
     requests = [type("R", (), {"request_id": i})() for i in range(2)]
     plans = []
     for _ in range(200):
-        ks, _ = planner.plan(requests)
+        ks = planner.plan(requests)
         planner.observe(requests, ks, [0] * len(ks))   # nothing is ever accepted
         plans.append(ks)
     off = [ks for ks in plans[50:] if not any(ks)]
@@ -118,14 +118,14 @@ def test_planner_learns_that_speculative_steps_cost_more_than_calibrated():
     requests = [type("R", (), {"request_id": i})() for i in range(4)]
     for r in requests:
         planner._estimate(r.request_id).rates = [0.5] * 7
-    assert planner.plan(requests) == ([7] * 4, 8)
+    assert planner.plan(requests) == [7] * 4
     for _ in range(200):   # decoding costs what was calibrated, speculating 3 s more
         planner.observe_time([7] * 4, model.step(4, 32, 4) + 3.0)
         planner.observe_time([0] * 4, model.step(4, 4, 0))
     # the draft (the only speculation cost calibrated) takes 3 s more than its 0.04 s
     assert planner.time.a == pytest.approx(1.0, rel=0.05)
     assert planner.time.b * model.draft(4) == pytest.approx(3.04, rel=0.05)
-    assert planner.plan(requests)[0] == [0] * 4   # 4 tokens in 1 s beat ~7.9 in 4 s
+    assert planner.plan(requests) == [0] * 4   # 4 tokens in 1 s beat ~7.9 in 4 s
 
 
 def test_time_correction_separates_a_slow_decode_from_the_price_of_speculating():
@@ -171,14 +171,10 @@ def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seq
     llm.planner = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == expected
-    steps, blocks = llm.planner.steps, llm.planner.blocks
+    steps = llm.planner.steps
     assert any(not any(ks) for ks in steps) and any(0 < k < B - 1 for ks in steps for k in ks)
-    assert {b for b, ks in zip(blocks, steps) if any(ks)} == {2, B // 2, B}   # short drafts too
     m = llm.metrics()
     assert m["draft_skipped_steps"] == sum(not any(ks) for ks in steps)
-    assert m["draft_block_steps"] == {str(b): sum(x == b and any(ks)
-                                                 for x, ks in zip(blocks, steps))
-                                      for b in (2, B // 2, B)}
     assert m["verify_length_histogram"] == [sum(k == j for ks in steps for k in ks)
                                             for j in range(B)]
     assert m["num_draft_tokens"] == sum(map(sum, steps))
@@ -216,7 +212,7 @@ def test_sampled_tokens_follow_the_target_distribution_under_a_random_schedule(t
 def test_worker_rejects_a_bad_schedule(models):
     target, draft = models
     llm = LLM(target, draft, dtype="float32", speculation="fixed")
-    llm.planner = SimpleNamespace(plan=lambda rs: ([B] * len(rs), B),   # one more than a block has
+    llm.planner = SimpleNamespace(plan=lambda rs: [B] * len(rs),   # one more than a block has
                                   observe=lambda *a: None, observe_time=lambda *a: None,
                                   forget=lambda i: None)
     with pytest.raises(ValueError, match=r"num_drafts must hold one count in \[0, 7\]"):
@@ -264,8 +260,6 @@ def test_calibration_times_a_preempted_point_again(monkeypatch):
     calls = []
 
     class Worker:
-        draft = None
-
         def measure_costs(self, tables, context, rows, seqs, repeats):
             calls.append((rows, seqs))
             slow = 10.0 if len(calls) == 1 else 1.0   # the first pass of 4 rows was preempted

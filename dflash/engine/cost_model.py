@@ -5,15 +5,13 @@ plus its verified drafts) and drafts for d of them is modelled as
 
     decode(n) + [target(rows) - target(n)] + draft(d)
 
-`decode` is one pass with one row per sequence (the step with speculation off), `target` one verify
-pass with the rows packed B to a sequence (what verifying drafts adds is priced by its slope),
-`draft` the block forward of the drafting sequences (0 when none drafts), for the engine's block and
-for shorter draft blocks (B/2, B/4, down to SHORTEST_DRAFT_BLOCK: a step that verifies few drafts
-may draft them from a shorter block of masks, at a fraction of the cost). These are timed on small
-grids with the engine's own worker and caches (`Worker.measure_costs`, `Worker.measure_draft`),
-points of the first three that look preempted (slower than a larger point) are timed again, and
-values in between are interpolated linearly (extrapolated from the last two beyond the grid: GEMMs
-are linear in rows once they are compute bound).
+`decode` is one pass with one row per sequence (the step with speculation off), `target` one
+verify pass with the rows packed B to a sequence (what verifying drafts adds is priced by its
+slope), `draft` the block forward of the drafting sequences (0 when none drafts). The three are
+timed on small grids with the engine's own worker and caches (`Worker.measure_costs`), points
+that look preempted (slower than a larger point) are timed again, and values in between are
+interpolated linearly (extrapolated from the last two beyond the grid: GEMMs are linear in rows
+once they are compute bound).
 
 The measurements are cached as JSON under `dflash.assets.cache_dir() / "calibration"`, keyed by
 the host (CPU model, flags, ONEDNN_MAX_CPU_ISA, threads, torch), the checkpoints (paths, sizes,
@@ -40,8 +38,7 @@ MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is co
 REPEATS = 5
 SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
 RETRIES = 2              # ... at most this many times (the fastest time is kept)
-SHORTEST_DRAFT_BLOCK = 4  # the shortest draft block timed (pending token + 3 masks)
-FORMAT = 3               # of the cache files: files of another format are not read
+FORMAT = 2               # of the cache files: files of another format are not read
 CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 
 
@@ -49,77 +46,71 @@ CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 class CostModel:
     """Seconds per step component for an engine of `block_size`: target_s {rows: s} for one
     verify pass (rows packed B to a sequence), draft_s {drafting sequences: s} for one draft
-    step over blocks of B (empty without a draft), decode_s {sequences: s} for one pass of one
-    row per sequence (empty: target_s, which is that layout when block_size is 1),
-    short_draft_s {draft block: {drafting sequences: s}} for shorter draft blocks. Row counts
-    may be numpy arrays (the chooser prices every total at once)."""
+    step (empty without a draft), decode_s {sequences: s} for one pass of one row per sequence
+    (empty: target_s, which is that layout when block_size is 1). Row counts may be numpy
+    arrays (the chooser prices every total at once)."""
 
     target_s: dict[int, float]
     draft_s: dict[int, float]
     block_size: int = 1
     decode_s: dict[int, float] = field(default_factory=dict)
-    short_draft_s: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def target(self, rows):
-        return _interpolate(self.target_s, rows)
+        return self._interpolate(self.target_s, rows)
 
     def decode(self, sequences):
-        return _interpolate(self.decode_s or self.target_s, sequences)
+        return self._interpolate(self.decode_s or self.target_s, sequences)
 
     def extra(self, sequences, rows):
         """What verifying `rows` rows over `sequences` sequences costs beyond decoding them."""
         return np.maximum(self.target(rows) - self.target(sequences), 0.0)
 
-    def draft(self, sequences, block: int | None = None):
-        """One draft step of `sequences` drafting sequences over blocks of `block` tokens
-        (default: the engine's block_size)."""
-        points = self.draft_s if block in (None, self.block_size) else self.short_draft_s[block]
-        if not points:
+    def draft(self, sequences):
+        if not self.draft_s:
             return np.zeros(np.shape(sequences))
-        return np.where(np.asarray(sequences) == 0, 0.0, _interpolate(points, sequences))
+        return np.where(np.asarray(sequences) == 0, 0.0,
+                        self._interpolate(self.draft_s, sequences))
 
-    def step(self, sequences: int, rows: int, drafting: int, block: int | None = None) -> float:
-        """One decode step: `sequences` sequences, `rows` verified rows, `drafting` drafting
-        over blocks of `block` tokens."""
-        return float(self.decode(sequences) + self.extra(sequences, rows) +
-                     self.draft(drafting, block))
+    def _interpolate(self, points: dict[int, float], x):
+        # the chooser prices every step: the points as arrays once, not per call
+        curves = self.__dict__.setdefault("_curves", {})
+        if id(points) not in curves:
+            xs = sorted(points)
+            curves[id(points)] = (np.array(xs, dtype=np.float64), np.array([points[k] for k in xs]))
+        return _interpolate(*curves[id(points)], x)
+
+    def step(self, sequences: int, rows: int, drafting: int) -> float:
+        """One decode step: `sequences` sequences, `rows` verified rows, `drafting` drafting."""
+        return float(self.decode(sequences) + self.extra(sequences, rows) + self.draft(drafting))
 
     def to_json(self) -> dict:
         ms = lambda d: {str(k): round(v * 1e3, 4) for k, v in d.items()}  # noqa: E731
         return {"target_ms": ms(self.target_s), "draft_ms": ms(self.draft_s),
-                "decode_ms": ms(self.decode_s), "block_size": self.block_size,
-                "short_draft_ms": {str(b): ms(d) for b, d in self.short_draft_s.items()}}
+                "decode_ms": ms(self.decode_s), "block_size": self.block_size}
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         parse = lambda d: {int(k): float(v) / 1e3 for k, v in d.items()}  # noqa: E731
         model = cls(parse(data["target_ms"]), parse(data["draft_ms"]), int(data["block_size"]),
-                    parse(data["decode_ms"]),
-                    {int(b): parse(d) for b, d in data.get("short_draft_ms", {}).items()})
-        timings = [*model.target_s.values(), *model.draft_s.values(), *model.decode_s.values(),
-                   *(v for d in model.short_draft_s.values() for v in d.values())]
-        if not model.target_s or any(v <= 0 for v in timings):
+                    parse(data["decode_ms"]))
+        if not model.target_s or any(v <= 0 for v in (*model.target_s.values(),
+                                                      *model.draft_s.values(),
+                                                      *model.decode_s.values())):
             raise ValueError("a cost model needs positive timings")
-        if any(not 2 <= b < model.block_size for b in model.short_draft_s):
-            raise ValueError(f"short draft blocks must lie in [2, {model.block_size}), got "
-                             f"{sorted(model.short_draft_s)}")
         return model
 
     def table(self) -> str:
         """The measurements as a small text table (what `dflash bench` prints)."""
         rows = [("verify rows:", self.target_s), ("decode seqs:", self.decode_s),
-                ("draft seqs: ", self.draft_s),
-                *((f"draft seqs (block {b}):", d) for b, d in sorted(self.short_draft_s.items(),
-                                                                      reverse=True))]
+                ("draft seqs: ", self.draft_s)]
         return "\n".join(f"{title} " + "  ".join(f"{k}:{v * 1e3:.1f}ms" for k, v in
                                                  sorted(points.items()))
                          for title, points in rows if points)
 
 
-def _interpolate(points: dict[int, float], x):
-    """Piecewise linear through the points, extended linearly beyond both ends; never below 0."""
-    xs = np.array(sorted(points), dtype=np.float64)
-    ys = np.array([points[k] for k in sorted(points)])
+def _interpolate(xs: np.ndarray, ys: np.ndarray, x):
+    """Piecewise linear through the points (xs ascending), extended linearly beyond both ends;
+    never below 0."""
     if len(xs) == 1:
         return ys[0] * np.maximum(x, 1) / xs[0]
     i = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)
@@ -167,9 +158,6 @@ def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_l
         rows = powers_of_two_to(min(len(tables) * block_size, MAX_MEASURED_ROWS))
         seqs = powers_of_two_to(len(tables))
         measured = worker.measure_costs(tables, context, rows, seqs, REPEATS)
-        short_draft_s = {b: worker.measure_draft(tables, context, seqs, REPEATS, b)
-                         for b in short_draft_blocks(block_size)} \
-            if worker.draft is not None else {}
         for _ in range(RETRIES):   # a preempted point would mislead every step's choice
             suspects = [_suspects(points) for points in measured]
             if not any(suspects):
@@ -183,16 +171,7 @@ def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_l
         for table in tables:
             allocator.free(table)
     target_s, draft_s, decode_s = measured
-    return CostModel(target_s, draft_s, block_size, decode_s, short_draft_s)
-
-
-def short_draft_blocks(block_size: int) -> list[int]:
-    """B/2, B/4, ... down to SHORTEST_DRAFT_BLOCK (none for B <= SHORTEST_DRAFT_BLOCK)."""
-    blocks, b = [], block_size // 2
-    while b >= SHORTEST_DRAFT_BLOCK:
-        blocks.append(b)
-        b //= 2
-    return blocks
+    return CostModel(target_s, draft_s, block_size, decode_s)
 
 
 def _suspects(points: dict[int, float]) -> list[int]:

@@ -63,26 +63,18 @@ class TPWorker(Worker):
     def prefill(self, requests: list[Request]) -> list[int]:
         return self._lead("prefill", requests, super().prefill)
 
-    def step(self, requests: list[Request], proposer=None, num_drafts=None, draft_block=None):
+    def step(self, requests: list[Request], proposer=None, num_drafts=None):
         if proposer is not None:
             raise ValueError("a scripted proposer is not supported with tensor parallelism")
         return self._lead("step", requests, lambda rs: super(TPWorker, self).step(
-            rs, num_drafts=num_drafts, draft_block=draft_block), num_drafts, draft_block)
+            rs, num_drafts=num_drafts), num_drafts)
 
     def measure_costs(self, *args):
-        return self._everywhere("measure_costs", args)
-
-    def measure_draft(self, *args):
-        return self._everywhere("measure_draft", args)
-
-    def _everywhere(self, name: str, args: tuple):
-        """A calibration call, run by every rank (the forwards it times are collective)."""
-        run = getattr(super(), name)
         if self.group is None:
-            return run(*args)
-        self.group.send((name, args))
+            return super().measure_costs(*args)
+        self.group.send(("measure_costs", args))
         with self.group.stop_on_error():
-            return run(*args)
+            return super().measure_costs(*args)
 
     def _lead(self, kind: str, requests: list[Request], run, *extra):
         if self.group is None:
@@ -92,14 +84,14 @@ class TPWorker(Worker):
             return run(requests)
 
     def follow(self, kind: str, *payload) -> None:
-        if kind in ("measure_costs", "measure_draft"):
-            getattr(self, kind)(*payload[0])
+        if kind == "measure_costs":
+            self.measure_costs(*payload[0])
             return
         requests = [_mirror(s) for s in payload[0]]
         if kind == "prefill":
             self.prefill(requests)
         else:
-            self.step(requests, num_drafts=payload[1], draft_block=payload[2])
+            self.step(requests, num_drafts=payload[1])
 
     @torch.inference_mode()
     def run_decode_draft(self, inputs):

@@ -148,14 +148,14 @@ class LLMEngine:
             return
         running = list(self.running)
         touched += running
-        num_drafts, draft_block = llm._plan(running)
+        num_drafts = llm._plan(running)
         step_start = time.perf_counter()
         ok, ks, results = self._call(
-            lambda rs, ks: list(zip(*llm.worker.step(rs, llm.proposer, ks, draft_block))),
-            running, num_drafts)
+            lambda rs, ks: list(zip(*llm.worker.step(rs, llm.proposer, ks))), running,
+            num_drafts)
         if ok:
             llm._record(ok, ks, [accepted for _, accepted in results],
-                        time.perf_counter() - step_start, draft_block)
+                        time.perf_counter() - step_start)
         for r, (tokens, _) in zip(ok, results):
             self._commit(r, tokens)
         self._retire()

@@ -284,24 +284,20 @@ class LLM:
         self._elapsed += time.perf_counter() - start
         return outputs
 
-    def _plan(self, running: list[Request]) -> tuple[list[int], int]:
-        """(verify lengths, draft block) of the next step."""
+    def _plan(self, running: list[Request]) -> list[int]:
         if self.block_size == 1:
-            return [0] * len(running), 1
+            return [0] * len(running)
         if self.planner is None:
-            return [self.block_size - 1] * len(running), self.block_size
+            return [self.block_size - 1] * len(running)
         return self.planner.plan(running)
 
     def _record(self, running: list[Request], num_drafts: list[int], accepted: list[int],
-                seconds: float, draft_block: int):
+                seconds: float):
         if self.planner is not None:
             self.planner.observe(running, num_drafts, accepted)
-            self.planner.observe_time(num_drafts, seconds, draft_block)
+            self.planner.observe_time(num_drafts, seconds)
         self._steps += 1
-        drafted = self.block_size > 1 and any(num_drafts)
-        self._draft_skipped += self.block_size > 1 and not drafted
-        if drafted:
-            self._draft_blocks[draft_block] = self._draft_blocks.get(draft_block, 0) + 1
+        self._draft_skipped += self.block_size > 1 and not any(num_drafts)
         for r, k, a in zip(running, num_drafts, accepted):
             self._verify_lengths[k] += 1
             if k > 0:
@@ -348,8 +344,6 @@ class LLM:
             "draft_skipped_steps": self._draft_skipped,
             # request-steps that verified k drafts, k = 0..B-1
             "verify_length_histogram": list(self._verify_lengths),
-            # drafting steps per draft block (a block shorter than B drafts fewer tokens)
-            "draft_block_steps": {str(b): n for b, n in sorted(self._draft_blocks.items())},
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             # the planner's fit of measured step time to the cost model's decode and
             # speculation parts (tests may plan with a stand-in that has none)
@@ -361,7 +355,6 @@ class LLM:
         self._totals, self._elapsed = [], 0.0
         self._steps = self._draft_skipped = 0
         self._verify_lengths = [0] * self.block_size
-        self._draft_blocks: dict[int, int] = {}
 
     # ------------------------------------------------------------------------------ close
     def close(self) -> None:

@@ -6,12 +6,7 @@ E[accepted] = sum_{j<=k} P(drafts 1..j all accepted), and costs k more verify ro
 sequences with k_i verified drafts each costs the cost model's decode(n), plus what the
 n + sum k_i rows add to it, plus draft(#{k_i > 0}) (`CostModel.step`). Speculation
 that cannot pay on this host (expensive rows, low acceptance, large batches) is thereby switched
-off by itself, and turned back on when it pays again. The draft block is chosen with them: a
-step whose sequences verify few drafts may draft them from a shorter block of masks (B/2,
-B/4, ...: the cost model prices each), which costs a fraction of the full draft forward and, for
-the bundled pair, accepts nearly as much at the first positions (block 16 vs 4, cumulative
-acceptance of drafts 1-3: 0.715 / 0.509 / 0.335 vs 0.709 / 0.475 / 0.313 on held-out GSM8K). The
-acceptance estimates are shared by all draft blocks.
+off by itself, and turned back on when it pays again.
 
 Acceptance is estimated per draft position as the conditional probability that draft j is
 accepted given that drafts 1..j-1 were, exponentially weighted, per request (starting from, and
@@ -66,27 +61,6 @@ class Acceptance:
         return out
 
 
-def choose_plan(cumulative: list[list[float]], target_cost, draft_costs: dict
-                ) -> tuple[list[int], int]:
-    """(verify lengths, draft block): for each draft block b of `draft_costs` ({b:
-    draft_cost(drafting)}, the longest first), the best verify lengths of at most b - 1 drafts
-    (choose_num_drafts), and of those the choice with the highest expected rate (the longest
-    block on a tie; with every k = 0, the longest block)."""
-    n = len(cumulative)
-    best, best_rate = ([0] * n, max(draft_costs)), -1.0
-    for block, draft_cost in sorted(draft_costs.items(), reverse=True):
-        rows = [row[:block - 1] for row in cumulative]
-        ks = choose_num_drafts(rows, target_cost, draft_cost)
-        if not any(ks):
-            continue
-        gain = n + sum(sum(row[:k]) for row, k in zip(rows, ks))
-        rate = gain / float(target_cost(np.array(n + sum(ks))) +
-                            draft_cost(np.array(sum(k > 0 for k in ks))))
-        if rate > best_rate:
-            best, best_rate = (ks, block), rate
-    return best
-
-
 def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) -> list[int]:
     """Verify lengths k_i maximising (n + sum_i sum_{j<=k_i} cumulative[i][j-1]) /
     (target_cost(n + sum k_i) + draft_cost(#{k_i > 0})). Both costs are called once, with a
@@ -113,6 +87,14 @@ def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) ->
     rank[by_first] = np.arange(n)
     flat = values.ravel()
     order = np.argsort(-flat, kind="stable")   # row-major ties keep each row's prefix
+    # an upper bound of every choice verifying m drafts: the m best values, at the draft cost of
+    # the fewest sequences that can hold m drafts; when it cannot beat no speculation (large
+    # batches, low acceptance), the [n, n*k] search below is skipped
+    m = np.arange(1, n * k + 1)
+    cheapest = np.minimum.accumulate(draft[::-1])[::-1]   # the least cost of >= d sequences
+    if ((n + np.cumsum(flat[order])) / (target[1:] + cheapest[(m - 1) // k])).max() <= \
+            n / target[0]:
+        return [0] * n
     row = order // k
     # member[d - 1, j]: the j-th largest value is one of the first d sequences' (by first value)
     member = rank[row][None, :] < drafting[:, None]
@@ -165,11 +147,10 @@ class Planner:
         self._probe = 0
         self.time = TimeCorrection()
 
-    def plan(self, requests) -> tuple[list[int], int]:
-        """(verify lengths, draft block) for this step's requests."""
+    def plan(self, requests) -> list[int]:
         estimates = [self._estimate(r.request_id) for r in requests]
-        ks, block = choose_plan([e.cumulative() for e in estimates], *step_costs(
-            self.cost_model, len(requests), self.time, self.k_max + 1))
+        ks = choose_num_drafts([e.cumulative() for e in estimates],
+                               *step_costs(self.cost_model, len(requests), self.time))
         if any(ks):
             self._off_steps = 0
         else:
@@ -177,8 +158,8 @@ class Planner:
             if self._off_steps >= PROBE_EVERY:   # look again: acceptance may have changed
                 self._off_steps = 0
                 self._probe = (self._probe + 1) % len(ks)
-                ks[self._probe], block = self.k_max, self.k_max + 1
-        return ks, block
+                ks[self._probe] = self.k_max
+        return ks
 
     def observe(self, requests, num_drafts: list[int], accepted: list[int]) -> None:
         for r, k, a in zip(requests, num_drafts, accepted):
@@ -189,12 +170,11 @@ class Planner:
             estimate.observe(k, a, REQUEST_ALPHA)
             self.engine.observe(k, a, ENGINE_ALPHA)
 
-    def observe_time(self, num_drafts: list[int], seconds: float, block: int | None = None
-                     ) -> None:
-        """Correct the cost model by a step's measured time (drafting over blocks of `block`)."""
+    def observe_time(self, num_drafts: list[int], seconds: float) -> None:
+        """Correct the cost model by a step's measured time."""
         n, c = len(num_drafts), self.cost_model
         self.time.observe(float(c.decode(n)), float(c.extra(n, n + sum(num_drafts))) +
-                          c.draft(sum(k > 0 for k in num_drafts), block), seconds)
+                          c.draft(sum(k > 0 for k in num_drafts)), seconds)
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -205,22 +185,18 @@ class Planner:
         return self._requests[request_id]
 
 
-def step_costs(cost_model, n: int, time: TimeCorrection, block_size: int):
-    """The chooser's (target_cost(rows), {draft block: draft_cost(drafting)}) for a step over n
-    sequences of an engine of `block_size`, corrected by `time`."""
+def step_costs(cost_model, n: int, time: TimeCorrection):
+    """The chooser's (target_cost(rows), draft_cost(drafting)) for a step over n sequences,
+    corrected by `time`."""
     decode = time.a * cost_model.decode(n)
-    blocks = [block_size, *(b for b in cost_model.short_draft_s if b < block_size)]
     return (lambda rows: decode + time.b * cost_model.extra(n, rows),
-            {b: lambda d, b=b: time.b * cost_model.draft(d, None if b == block_size else b)
-             for b in blocks})
+            lambda d: time.b * cost_model.draft(d))
 
 
-def step_rate(ks: list[int], cumulative: list[list[float]], cost_model, block: int | None = None
-              ) -> float:
-    """Expected committed tokens per second of one step verifying ks[i] drafts of sequence i
-    (drafted over blocks of `block`)."""
+def step_rate(ks: list[int], cumulative: list[list[float]], cost_model) -> float:
+    """Expected committed tokens per second of one step verifying ks[i] drafts of sequence i."""
     gain = len(ks) + sum(sum(row[:k]) for row, k in zip(cumulative, ks))
-    return gain / cost_model.step(len(ks), len(ks) + sum(ks), sum(k > 0 for k in ks), block)
+    return gain / cost_model.step(len(ks), len(ks) + sum(ks), sum(k > 0 for k in ks))
 
 
 def expected_rate(cost_model, block_size: int, max_num_seqs: int) -> tuple[float, float]:
@@ -229,8 +205,7 @@ def expected_rate(cost_model, block_size: int, max_num_seqs: int) -> tuple[float
     rates = []
     for n in (1, max_num_seqs):
         cumulative = [Acceptance([PRIOR] * (block_size - 1)).cumulative()] * n
-        ks, block = choose_plan(cumulative, *step_costs(cost_model, n, TimeCorrection(),
-                                                        block_size)) \
-            if block_size > 1 else ([0] * n, None)
-        rates.append(step_rate(ks, cumulative, cost_model, block))
+        ks = choose_num_drafts(cumulative, *step_costs(cost_model, n, TimeCorrection())) \
+            if block_size > 1 else [0] * n
+        rates.append(step_rate(ks, cumulative, cost_model))
     return rates[0], rates[1]

@@ -111,12 +111,11 @@ class Worker:
         return first
 
     # --------------------------------------------------------------------------- the step
-    def prepare_query_inputs(self, requests: list[Request], num_drafts: int | None = None,
-                             draft_block: int | None = None) -> StepInputs:
-        """The draft's block for each request: [pending, MASK * (b-1)] at its next positions,
-        b = draft_block (default B); drafts are made for the first `num_drafts` (default b-1)
-        of the masks."""
-        b = draft_block or self.block_size
+    def prepare_query_inputs(self, requests: list[Request], num_drafts: int | None = None
+                             ) -> StepInputs:
+        """The draft's block for each request: [pending, MASK * (B-1)] at its next positions;
+        drafts are made for the first `num_drafts` (default B-1) of the masks."""
+        b = self.block_size
         tokens = torch.full((len(requests), b), -1 if self.mask_token_id is None
                             else self.mask_token_id, device=self.device)
         tokens[:, 0] = self._pending(requests)
@@ -247,31 +246,25 @@ class Worker:
         for r in requests:
             r.context_backlog.clear()
 
-    def step(self, requests: list[Request], proposer=None, num_drafts: list[int] | None = None,
-             draft_block: int | None = None) -> tuple[list[list[int]], list[int]]:
+    def step(self, requests: list[Request], proposer=None, num_drafts: list[int] | None = None
+             ) -> tuple[list[list[int]], list[int]]:
         """One decode step for `requests`; returns the tokens each emitted and its accepted count.
 
         num_drafts[i] (0..B-1, default B-1) is how many of request i's drafts are verified; the
-        draft forward runs only for the requests with k > 0 (not at all when every k is 0), over
-        blocks of `draft_block` tokens (default B; a shorter block drafts at most draft_block - 1
-        tokens, at a fraction of the cost), and the draft context is written for all of them
-        (see write_context_kv for when). A step in which every k is B-1 and every request greedy
-        runs as one decode_step (run_uniform_step). `proposer(inputs)` replaces the draft model
-        (tests script acceptance with it).
+        draft forward runs only for the requests with k > 0 (not at all when every k is 0), and
+        the draft context is written for all of them (see write_context_kv for when). A step in
+        which every k is B-1 and every request greedy runs as one decode_step (run_uniform_step).
+        `proposer(inputs)` replaces the draft model (tests script acceptance with it).
         """
         b = self.block_size
-        draft_block = b if draft_block is None else draft_block
-        if not min(2, b) <= draft_block <= b:
-            raise ValueError(f"draft_block must lie in [{min(2, b)}, {b}], got {draft_block}")
         num_drafts = [b - 1] * len(requests) if num_drafts is None else list(num_drafts)
-        if len(num_drafts) != len(requests) or not all(0 <= k < draft_block for k in num_drafts):
-            raise ValueError(f"num_drafts must hold one count in [0, {draft_block - 1}] per "
-                             f"request (draft block {draft_block}), got {num_drafts} for "
-                             f"{len(requests)} requests")
-        if draft_block == b and self._is_uniform(requests, proposer, num_drafts):
+        if len(num_drafts) != len(requests) or not all(0 <= k < b for k in num_drafts):
+            raise ValueError(f"num_drafts must hold one count in [0, {b - 1}] per request, got "
+                             f"{num_drafts} for {len(requests)} requests")
+        if self._is_uniform(requests, proposer, num_drafts):
             emitted, accepted = self.run_uniform_step(requests)
         else:
-            emitted, accepted = self._ragged_step(requests, proposer, num_drafts, draft_block)
+            emitted, accepted = self._ragged_step(requests, proposer, num_drafts)
         for r, a in zip(requests, accepted):
             r.num_cached += a + 1
         return emitted, accepted
@@ -298,8 +291,8 @@ class Worker:
         out, accepted = out.tolist(), accepted.tolist()   # the step's one host sync
         return [row[:a + 1] for row, a in zip(out, accepted)], accepted
 
-    def _ragged_step(self, requests: list[Request], proposer, num_drafts: list[int],
-                     draft_block: int) -> tuple[list[list[int]], list[int]]:
+    def _ragged_step(self, requests: list[Request], proposer, num_drafts: list[int]
+                     ) -> tuple[list[list[int]], list[int]]:
         """Any other step: the four stages of the module docstring, each over its own rows."""
         b = self.block_size
         draft_ids = torch.zeros(len(requests), b - 1, dtype=torch.int64, device=self.device)
@@ -307,8 +300,8 @@ class Worker:
         drafting = [i for i, k in enumerate(num_drafts) if k > 0]
         if drafting:
             self._flush_context([requests[i] for i in drafting])
-            ids, probs = (proposer or self.run_decode_draft)(self.prepare_query_inputs(
-                [requests[i] for i in drafting], max(num_drafts), draft_block))
+            ids, probs = (proposer or self.run_decode_draft)(
+                self.prepare_query_inputs([requests[i] for i in drafting], max(num_drafts)))
             idx = torch.tensor(drafting, device=self.device)
             draft_ids[idx, :ids.shape[1]] = ids
             if probs is not None:
@@ -331,7 +324,11 @@ class Worker:
         holding context + B tokens, at least max(rows_grid) / B (rounded up) and max(seqs_grid)
         of them. Caches are written only inside those blocks."""
         b = self.block_size
-        requests = self._calibration_requests(tables, context)
+        requests = []
+        for table in tables:
+            r = Request(-1, [0] * context, sampling.SamplingParams(), 0, frozenset())
+            r.block_table, r.num_cached, r.output_ids = table, context, [1]
+            requests.append(r)
         g = torch.Generator().manual_seed(0)
         draft_ids = torch.randint(0, self.target.cfg.vocab_size, (len(requests), b - 1),
                                   generator=g).to(self.device)
@@ -345,36 +342,16 @@ class Worker:
             n = -(-rows // b)
             return [b - 1] * (n - 1) + [rows - (n - 1) * b - 1]
 
+        def draft(n: int) -> None:
+            self.run_decode_draft(self.prepare_query_inputs(requests[:n]))
+
         target_s = {rows: fastest_seconds(lambda r=rows: verify(packed(r)), repeats)
                     for rows in rows_grid}
         draft_s = {} if self.draft is None else \
-            self._time_drafts(requests, seqs_grid, repeats, b)
+            {n: fastest_seconds(lambda n=n: draft(n), repeats) for n in seqs_grid}
         decode_s = {} if b == 1 else \
             {n: fastest_seconds(lambda n=n: verify([0] * n), repeats) for n in seqs_grid}
         return target_s, draft_s, decode_s
-
-    @torch.inference_mode()
-    def measure_draft(self, tables: list[list[int]], context: int, seqs_grid: list[int],
-                      repeats: int, draft_block: int) -> dict[int, float]:
-        """Seconds (the fastest of `repeats`) of one draft step over blocks of `draft_block`
-        tokens, drafting all draft_block - 1 masks, for each sequence count in `seqs_grid`
-        (tables as for measure_costs)."""
-        return self._time_drafts(self._calibration_requests(tables, context), seqs_grid, repeats,
-                                 draft_block)
-
-    def _time_drafts(self, requests: list[Request], seqs_grid: list[int], repeats: int,
-                     draft_block: int) -> dict[int, float]:
-        return {n: fastest_seconds(lambda n=n: self.run_decode_draft(self.prepare_query_inputs(
-                    requests[:n], draft_block=draft_block)), repeats) for n in seqs_grid}
-
-    @staticmethod
-    def _calibration_requests(tables: list[list[int]], context: int) -> list[Request]:
-        requests = []
-        for table in tables:
-            r = Request(-1, [0] * context, sampling.SamplingParams(), 0, frozenset())
-            r.block_table, r.num_cached, r.output_ids = table, context, [1]
-            requests.append(r)
-        return requests
 
     # ----------------------------------------------------------------------------- helpers
     def _pending(self, requests):
