@@ -56,10 +56,10 @@ class CostModel:
     decode_s: dict[int, float] = field(default_factory=dict)
 
     def target(self, rows):
-        return self._interpolate(self.target_s, rows)
+        return self._interpolate("target_s", rows)
 
     def decode(self, sequences):
-        return self._interpolate(self.decode_s or self.target_s, sequences)
+        return self._interpolate("decode_s" if self.decode_s else "target_s", sequences)
 
     def extra(self, sequences, rows):
         """What verifying `rows` rows over `sequences` sequences costs beyond decoding them."""
@@ -69,15 +69,18 @@ class CostModel:
         if not self.draft_s:
             return np.zeros(np.shape(sequences))
         return np.where(np.asarray(sequences) == 0, 0.0,
-                        self._interpolate(self.draft_s, sequences))
+                        self._interpolate("draft_s", sequences))
 
-    def _interpolate(self, points: dict[int, float], x):
-        # the chooser prices every step: the points as arrays once, not per call
+    def _interpolate(self, name: str, x):
+        # the chooser prices every step: each field's points as arrays once, not per call (kept
+        # with the dict they came from, so a field given a new dict is read again)
+        points = getattr(self, name)
         curves = self.__dict__.setdefault("_curves", {})
-        if id(points) not in curves:
+        if name not in curves or curves[name][0] is not points:
             xs = sorted(points)
-            curves[id(points)] = (np.array(xs, dtype=np.float64), np.array([points[k] for k in xs]))
-        return _interpolate(*curves[id(points)], x)
+            curves[name] = (points, np.array(xs, dtype=np.float64),
+                            np.array([points[k] for k in xs]))
+        return _interpolate(*curves[name][1:], x)
 
     def step(self, sequences: int, rows: int, drafting: int) -> float:
         """One decode step: `sequences` sequences, `rows` verified rows, `drafting` drafting."""
