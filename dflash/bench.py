@@ -130,6 +130,8 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
             llm.close()
         live.clear()
 
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + j)
+              for j in range(len(prompts_text))]
     results: dict[str, list] = {m: [[] for _ in concurrencies] for m in modes}
     try:
         for r in range(rounds):
@@ -138,8 +140,6 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
                 for mode in order:
                     llm = engine(mode)
                     prompts = [llm.chat_prompt(p) for p in prompts_text]
-                    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                             seed=seed + j) for j in range(len(prompts))]
                     results[mode][i].append(_run(llm, prompts, params, concurrencies[i]))
     finally:
         close_all()

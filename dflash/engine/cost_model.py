@@ -71,16 +71,15 @@ class CostModel:
         return np.where(np.asarray(sequences) == 0, 0.0,
                         self._interpolate("draft_s", sequences))
 
+    def __post_init__(self):
+        # the chooser prices every step: the points as arrays once (read at construction)
+        self._curves = {name: (np.array(sorted(points), dtype=np.float64),
+                               np.array([points[k] for k in sorted(points)]))
+                        for name in ("target_s", "draft_s", "decode_s")
+                        if (points := getattr(self, name))}
+
     def _interpolate(self, name: str, x):
-        # the chooser prices every step: each field's points as arrays once, not per call (kept
-        # with the dict they came from, so a field given a new dict is read again)
-        points = getattr(self, name)
-        curves = self.__dict__.setdefault("_curves", {})
-        if name not in curves or curves[name][0] is not points:
-            xs = sorted(points)
-            curves[name] = (points, np.array(xs, dtype=np.float64),
-                            np.array([points[k] for k in xs]))
-        return _interpolate(*curves[name][1:], x)
+        return _interpolate(*self._curves[name], x)
 
     def step(self, sequences: int, rows: int, drafting: int) -> float:
         """One decode step: `sequences` sequences, `rows` verified rows, `drafting` drafting."""
