@@ -49,19 +49,19 @@ class CostModelFns:
     def __init__(self, target, draft):
         self.target, self.draft = target, draft
 
-    def step(self, sequences, rows, drafting):
-        return self.target(rows) + self.draft(drafting)
+    def step(self, sequences, rows, drafting, longest):
+        return self.target(rows) + self.draft(drafting, longest)
 
 
 def test_flat_cost_verifies_the_whole_block():
     cumulative = [Acceptance([0.3] * 7).cumulative()] * 3
-    assert choose_num_drafts(cumulative, lambda rows: 1.0, lambda n: 0.05) == [7, 7, 7]
+    assert choose_num_drafts(cumulative, lambda rows: 1.0, lambda n, k: 0.05) == [7, 7, 7]
 
 
 def test_cost_linear_in_rows_with_low_acceptance_verifies_nothing():
     cumulative = [Acceptance([0.2] * 7).cumulative()] * 4
     # every row costs as much as the fixed part: one more row buys 0.2 tokens at full price
-    assert choose_num_drafts(cumulative, linear(1.0, 1.0), lambda n: 0.1 * n) == [0, 0, 0, 0]
+    assert choose_num_drafts(cumulative, linear(1.0, 1.0), lambda n, k: 0.1 * n) == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -71,7 +71,7 @@ def test_chooser_matches_brute_force(seed):
     cumulative = [Acceptance([rng.random() for _ in range(k)]).cumulative() for _ in range(n)]
     target_cost = linear(rng.uniform(0.5, 2), rng.uniform(0, 0.5))
     draft = rng.uniform(0, 1)
-    draft_cost = lambda d: np.where(d > 0, draft, 0.0)   # noqa: E731  (whether any drafts)
+    draft_cost = lambda d, k: np.where(d > 0, draft, 0.0)   # noqa: E731  (whether any drafts)
     rate, _ = brute_force(cumulative, target_cost, draft_cost)
     ks = choose_num_drafts(cumulative, target_cost, draft_cost)
     assert step_rate(ks, cumulative, CostModelFns(target_cost, draft_cost)) == \
@@ -83,10 +83,30 @@ def test_chooser_is_near_brute_force_when_draft_cost_grows_with_sequences(seed):
     rng = random.Random(100 + seed)
     cumulative = [Acceptance([rng.random() for _ in range(3)]).cumulative() for _ in range(3)]
     target_cost, per_seq = linear(1.0, rng.uniform(0, 0.3)), rng.uniform(0, 0.3)
-    draft_cost = lambda d: per_seq * d   # noqa: E731
+    draft_cost = lambda d, k: per_seq * d   # noqa: E731
     rate, _ = brute_force(cumulative, target_cost, draft_cost)
     ks = choose_num_drafts(cumulative, target_cost, draft_cost)
     assert step_rate(ks, cumulative, CostModelFns(target_cost, draft_cost)) >= 0.97 * rate
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_chooser_is_near_brute_force_when_draft_cost_grows_with_the_longest_verify(seed):
+    # the draft's lm_head runs over the longest verify's rows of every drafting sequence
+    rng = random.Random(200 + seed)
+    cumulative = [Acceptance([rng.random() for _ in range(4)]).cumulative() for _ in range(3)]
+    target_cost, fixed, per_row = linear(1.0, rng.uniform(0, 0.3)), *(rng.uniform(0, 0.2),) * 2
+    draft_cost = lambda d, k: np.where(d > 0, fixed + per_row * d * k, 0.0)   # noqa: E731
+    rate, _ = brute_force(cumulative, target_cost, draft_cost)
+    ks = choose_num_drafts(cumulative, target_cost, draft_cost)
+    assert step_rate(ks, cumulative, CostModelFns(target_cost, draft_cost)) >= 0.97 * rate
+
+
+def test_a_dear_lm_head_shortens_the_verify():
+    cumulative = [Acceptance([0.9, 0.5, 0.5, 0.5]).cumulative()]
+    target_cost = lambda rows: 1.0 + 0.01 * rows   # noqa: E731
+    assert choose_num_drafts(cumulative, target_cost, lambda d, k: 0.1 * d) == [4]
+    # each draft's lm_head row costs what a token is worth past the second draft
+    assert choose_num_drafts(cumulative, target_cost, lambda d, k: 0.1 * d + 0.28 * k) == [2]
 
 
 def test_acceptance_estimates_count_only_what_was_verified():
@@ -232,7 +252,7 @@ def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, mo
     files = list(tmp_path.glob("*.json"))
     assert len(calls) == 1 and len(files) == 1
     assert sorted(first.target_s) == [1, 2, 4, 8, 16] and sorted(first.draft_s) == [1, 2]
-    assert sorted(first.decode_s) == [1, 2]
+    assert sorted(first.decode_s) == sorted(first.draft_one_s) == [1, 2]
     assert LLM(target, draft, dtype="float32", max_num_seqs=2).cost_model == first
     assert len(calls) == 1                                    # reused
     LLM(target, draft, dtype="float32", max_num_seqs=2, recalibrate=True)
@@ -254,6 +274,13 @@ def test_cost_model_interpolates_and_extrapolates():
     assert m.step(4, 4, 0) == pytest.approx(1.6)
     assert CostModel.from_json(m.to_json()) == m
     assert CostModel({1: 1.0, 8: 1.5}, {}).decode(8) == 1.5   # one row a sequence: the same
+    # measured at 1 and B-1 = 15 drafts a sequence: linear in the drafts between
+    m = CostModel({1: 1.0}, {1: 0.5, 4: 2.0}, 16, {}, {1: 0.3, 4: 1.0})
+    assert m.draft(4) == m.draft(4, 15) == pytest.approx(2.0)
+    assert m.draft(4, 1) == pytest.approx(1.0)
+    assert m.draft(2, 8) == pytest.approx((1.6 / 3 + 1.0) / 2)   # halfway from 1 to 15 drafts
+    assert list(m.draft(np.array([0, 1]), np.array([0, 15]))) == pytest.approx([0.0, 0.5])
+    assert CostModel.from_json(m.to_json()) == m
 
 
 def test_calibration_times_a_preempted_point_again(monkeypatch):
@@ -264,7 +291,8 @@ def test_calibration_times_a_preempted_point_again(monkeypatch):
             calls.append((rows, seqs))
             slow = 10.0 if len(calls) == 1 else 1.0   # the first pass of 4 rows was preempted
             return ({r: (slow if r == 4 else 1.0) * (1 + r / 8) for r in rows},
-                    {n: 0.1 * n for n in seqs}, {n: 1.0 + n / 8 for n in seqs})
+                    {n: 0.1 * n for n in seqs}, {n: 1.0 + n / 8 for n in seqs},
+                    {n: 0.05 * n for n in seqs})
 
     allocator = BlockAllocator(64, 16)
     model = cost_model.calibrate(Worker(), allocator, 2, 8, 512)

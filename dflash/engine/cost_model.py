@@ -3,11 +3,13 @@
 A step over n sequences that verifies `rows` query tokens in all (every sequence's pending token
 plus its verified drafts) and drafts for d of them is modelled as
 
-    decode(n) + [target(rows) - target(n)] + draft(d)
+    decode(n) + [target(rows) - target(n)] + draft(d, k)
 
 `decode` is one pass with one row per sequence (the step with speculation off), `target` one
 verify pass with the rows packed B to a sequence (what verifying drafts adds is priced by its
-slope), `draft` the block forward of the drafting sequences (0 when none drafts). The three are
+slope), `draft` the block forward of the drafting sequences plus the draft's lm_head over the
+k rows of each whose drafts can be verified (k the longest verify of the step; 0 when none
+drafts). The draft is timed at k = 1 and k = B-1 and priced linearly in k between. They are
 timed on small grids with the engine's own worker and caches (`Worker.measure_costs`), points
 that look preempted (slower than a larger point) are timed again, and values in between are
 interpolated linearly (extrapolated from the last two beyond the grid: GEMMs are linear in rows
@@ -38,7 +40,7 @@ MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is co
 REPEATS = 5
 SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
 RETRIES = 2              # ... at most this many times (the fastest time is kept)
-FORMAT = 2               # of the cache files: files of another format are not read
+FORMAT = 4               # of the cache files: files of another format are not read
 CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 
 
@@ -46,14 +48,16 @@ CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 class CostModel:
     """Seconds per step component for an engine of `block_size`: target_s {rows: s} for one
     verify pass (rows packed B to a sequence), draft_s {drafting sequences: s} for one draft
-    step (empty without a draft), decode_s {sequences: s} for one pass of one row per sequence
-    (empty: target_s, which is that layout when block_size is 1). Row counts may be numpy
-    arrays (the chooser prices every total at once)."""
+    step making B-1 drafts a sequence (empty without a draft), draft_one_s the same making one
+    draft a sequence (empty: priced as draft_s), decode_s {sequences: s} for one pass of one
+    row per sequence (empty: target_s, which is that layout when block_size is 1). Counts may
+    be numpy arrays (the chooser prices every choice at once)."""
 
     target_s: dict[int, float]
     draft_s: dict[int, float]
     block_size: int = 1
     decode_s: dict[int, float] = field(default_factory=dict)
+    draft_one_s: dict[int, float] = field(default_factory=dict)
 
     def target(self, rows):
         return self._interpolate("target_s", rows)
@@ -65,46 +69,55 @@ class CostModel:
         """What verifying `rows` rows over `sequences` sequences costs beyond decoding them."""
         return np.maximum(self.target(rows) - self.target(sequences), 0.0)
 
-    def draft(self, sequences):
+    def draft(self, sequences, drafts=None):
+        """One draft step of `sequences` sequences making `drafts` drafts each (default B-1):
+        the forward over their blocks does not depend on `drafts`, the lm_head rows do."""
         if not self.draft_s:
             return np.zeros(np.shape(sequences))
-        return np.where(np.asarray(sequences) == 0, 0.0,
-                        self._interpolate("draft_s", sequences))
+        cost = self._interpolate("draft_s", sequences)
+        if drafts is not None and self.draft_one_s and self.block_size > 2:
+            one = self._interpolate("draft_one_s", sequences)
+            cost = one + (cost - one) * (np.maximum(drafts, 1) - 1) / (self.block_size - 2)
+        return np.where(np.asarray(sequences) == 0, 0.0, cost)
 
     def __post_init__(self):
         # the chooser prices every step: the points as arrays once (read at construction)
         self._curves = {name: (np.array(sorted(points), dtype=np.float64),
                                np.array([points[k] for k in sorted(points)]))
-                        for name in ("target_s", "draft_s", "decode_s")
+                        for name in ("target_s", "draft_s", "decode_s", "draft_one_s")
                         if (points := getattr(self, name))}
 
     def _interpolate(self, name: str, x):
         return _interpolate(*self._curves[name], x)
 
-    def step(self, sequences: int, rows: int, drafting: int) -> float:
-        """One decode step: `sequences` sequences, `rows` verified rows, `drafting` drafting."""
-        return float(self.decode(sequences) + self.extra(sequences, rows) + self.draft(drafting))
+    def step(self, sequences: int, rows: int, drafting: int, drafts: int | None = None
+             ) -> float:
+        """One decode step: `sequences` sequences, `rows` verified rows, `drafting` of them
+        drafting, the longest verifying `drafts` drafts."""
+        return float(self.decode(sequences) + self.extra(sequences, rows) +
+                     self.draft(drafting, drafts))
 
     def to_json(self) -> dict:
         ms = lambda d: {str(k): round(v * 1e3, 4) for k, v in d.items()}  # noqa: E731
         return {"target_ms": ms(self.target_s), "draft_ms": ms(self.draft_s),
-                "decode_ms": ms(self.decode_s), "block_size": self.block_size}
+                "decode_ms": ms(self.decode_s), "draft_one_ms": ms(self.draft_one_s),
+                "block_size": self.block_size}
 
     @classmethod
     def from_json(cls, data: dict) -> CostModel:
         parse = lambda d: {int(k): float(v) / 1e3 for k, v in d.items()}  # noqa: E731
         model = cls(parse(data["target_ms"]), parse(data["draft_ms"]), int(data["block_size"]),
-                    parse(data["decode_ms"]))
-        if not model.target_s or any(v <= 0 for v in (*model.target_s.values(),
-                                                      *model.draft_s.values(),
-                                                      *model.decode_s.values())):
+                    parse(data["decode_ms"]), parse(data["draft_one_ms"]))
+        if not model.target_s or any(v <= 0 for points in (model.target_s, model.draft_s,
+                                                           model.decode_s, model.draft_one_s)
+                                     for v in points.values()):
             raise ValueError("a cost model needs positive timings")
         return model
 
     def table(self) -> str:
         """The measurements as a small text table (what `dflash bench` prints)."""
         rows = [("verify rows:", self.target_s), ("decode seqs:", self.decode_s),
-                ("draft seqs: ", self.draft_s)]
+                ("draft seqs: ", self.draft_s), ("1 draft each:", self.draft_one_s)]
         return "\n".join(f"{title} " + "  ".join(f"{k}:{v * 1e3:.1f}ms" for k, v in
                                                  sorted(points.items()))
                          for title, points in rows if points)
@@ -144,8 +157,8 @@ def powers_of_two_to(limit: int) -> list[int]:
 def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_len: int
               ) -> CostModel:
     """Time the worker's verify pass up to max_num_seqs * block_size rows and its decode and
-    draft steps up to max_num_seqs sequences, in cache blocks borrowed from `allocator`
-    (returned after)."""
+    draft steps (B-1 drafts and 1 draft a sequence) up to max_num_seqs sequences, in cache
+    blocks borrowed from `allocator` (returned after)."""
     capacity = allocator.num_blocks * allocator.block_size
     context = max(min(CONTEXT, max_model_len - block_size, capacity - block_size), 1)
     tables: list[list[int]] = []
@@ -165,15 +178,15 @@ def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_l
             if not any(suspects):
                 break
             again = worker.measure_costs(tables, context, suspects[0],
-                                         sorted(set(suspects[1]) | set(suspects[2])), REPEATS)
+                                         sorted(set().union(*suspects[1:])), REPEATS)
             for points, new in zip(measured, again):
                 for x, seconds in new.items():
                     points[x] = min(points[x], seconds)
     finally:
         for table in tables:
             allocator.free(table)
-    target_s, draft_s, decode_s = measured
-    return CostModel(target_s, draft_s, block_size, decode_s)
+    target_s, draft_s, decode_s, draft_one_s = measured
+    return CostModel(target_s, draft_s, block_size, decode_s, draft_one_s)
 
 
 def _suspects(points: dict[int, float]) -> list[int]:

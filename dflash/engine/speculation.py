@@ -4,7 +4,7 @@ tokens per second under the host's measured cost model.
 Verifying the first k drafts of a sequence commits 1 + E[accepted] tokens, where
 E[accepted] = sum_{j<=k} P(drafts 1..j all accepted), and costs k more verify rows. A step over n
 sequences with k_i verified drafts each costs the cost model's decode(n), plus what the
-n + sum k_i rows add to it, plus draft(#{k_i > 0}) (`CostModel.step`). Speculation
+n + sum k_i rows add to it, plus draft(#{k_i > 0}, max k_i) (`CostModel.step`). Speculation
 that cannot pay on this host (expensive rows, low acceptance, large batches) is thereby switched
 off by itself, and turned back on when it pays again.
 
@@ -63,8 +63,8 @@ class Acceptance:
 
 def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) -> list[int]:
     """Verify lengths k_i maximising (n + sum_i sum_{j<=k_i} cumulative[i][j-1]) /
-    (target_cost(n + sum k_i) + draft_cost(#{k_i > 0})). Both costs are called once, with a
-    numpy array of every possible row total / number of drafting sequences.
+    (target_cost(n + sum k_i) + draft_cost(#{k_i > 0}, max k_i)). Both costs are called with
+    numpy arrays of every choice at once.
 
     Each row of `cumulative` is non-increasing, so for a given total of verified drafts among a
     given set of drafting sequences the most valuable choice takes the largest values, a prefix
@@ -72,7 +72,7 @@ def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) ->
     set, and every prefix of their values in decreasing order is scored (all d at once, from
     one sort of all the values). With d = n this visits the best choice for every total, so
     the result is the exact optimum when draft_cost depends only on whether any sequence
-    drafts, and near it when it grows with their number."""
+    drafts, and near it when it grows with their number or their longest verify."""
     n = len(cumulative)
     if n == 0 or not cumulative[0]:
         return [0] * n
@@ -81,26 +81,32 @@ def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) ->
     totals = np.arange(n, n + n * k + 1)
     target = np.broadcast_to(np.asarray(target_cost(totals), dtype=np.float64), totals.shape)
     drafting = np.arange(1, n + 1)
-    draft = np.broadcast_to(np.asarray(draft_cost(drafting), dtype=np.float64), drafting.shape)
+    # draft_cost priced once per (drafting, longest) pair, [n + 1, k + 1], and looked up
+    draft = np.broadcast_to(np.asarray(draft_cost(np.arange(n + 1)[:, None],
+                                                  np.arange(k + 1)[None, :]), dtype=np.float64),
+                            (n + 1, k + 1))
     by_first = np.argsort(-values[:, 0], kind="stable")
     rank = np.empty(n, dtype=np.int64)
     rank[by_first] = np.arange(n)
     flat = values.ravel()
     order = np.argsort(-flat, kind="stable")   # row-major ties keep each row's prefix
     # an upper bound of every choice verifying m drafts: the m best values, at the draft cost of
-    # the fewest sequences that can hold m drafts; when it cannot beat no speculation (large
-    # batches, low acceptance), the [n, n*k] search below is skipped
+    # the fewest sequences that can hold m drafts, one draft each; when it cannot beat no
+    # speculation (large batches, low acceptance), the [n, n*k] search below is skipped
     m = np.arange(1, n * k + 1)
-    cheapest = np.minimum.accumulate(draft[::-1])[::-1]   # the least cost of >= d sequences
+    cheapest = np.minimum.accumulate(draft[:0:-1, 1])[::-1]   # the least cost of >= d sequences
     if ((n + np.cumsum(flat[order])) / (target[1:] + cheapest[(m - 1) // k])).max() <= \
             n / target[0]:
         return [0] * n
     row = order // k
     # member[d - 1, j]: the j-th largest value is one of the first d sequences' (by first value)
     member = rank[row][None, :] < drafting[:, None]
+    # a row's values are taken in order, so taking order[j] makes its row verify order[j] % k + 1
+    longest = np.maximum.accumulate(np.where(member, order % k + 1, 0), axis=1)
+    started = np.cumsum(member & (order % k == 0), axis=1)   # sequences that draft
     gains = np.cumsum(np.where(member, flat[order], 0.0), axis=1)
-    rates = np.where(member, (n + gains) / (target[np.cumsum(member, axis=1)] + draft[:, None]),
-                     -np.inf)
+    rates = np.where(member, (n + gains) / (target[np.cumsum(member, axis=1)] +
+                                            draft[started, longest]), -np.inf)
     d, j = np.unravel_index(int(np.argmax(rates)), rates.shape)
     if rates[d, j] <= n / target[0]:
         return [0] * n
@@ -174,7 +180,8 @@ class Planner:
         """Correct the cost model by a step's measured time."""
         n, c = len(num_drafts), self.cost_model
         self.time.observe(float(c.decode(n)), float(c.extra(n, n + sum(num_drafts))) +
-                          c.draft(sum(k > 0 for k in num_drafts)), seconds)
+                          c.draft(sum(k > 0 for k in num_drafts), max(num_drafts, default=0)),
+                          seconds)
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -186,17 +193,18 @@ class Planner:
 
 
 def step_costs(cost_model, n: int, time: TimeCorrection):
-    """The chooser's (target_cost(rows), draft_cost(drafting)) for a step over n sequences,
-    corrected by `time`."""
+    """The chooser's (target_cost(rows), draft_cost(drafting, longest)) for a step over n
+    sequences, corrected by `time`."""
     decode = time.a * cost_model.decode(n)
     return (lambda rows: decode + time.b * cost_model.extra(n, rows),
-            lambda d: time.b * cost_model.draft(d))
+            lambda d, longest: time.b * cost_model.draft(d, longest))
 
 
 def step_rate(ks: list[int], cumulative: list[list[float]], cost_model) -> float:
     """Expected committed tokens per second of one step verifying ks[i] drafts of sequence i."""
     gain = len(ks) + sum(sum(row[:k]) for row, k in zip(cumulative, ks))
-    return gain / cost_model.step(len(ks), len(ks) + sum(ks), sum(k > 0 for k in ks))
+    return gain / cost_model.step(len(ks), len(ks) + sum(ks), sum(k > 0 for k in ks),
+                                  max(ks, default=0))
 
 
 def expected_rate(cost_model, block_size: int, max_num_seqs: int) -> tuple[float, float]:

@@ -315,12 +315,13 @@ class Worker:
     # -------------------------------------------------------------------------- calibration
     @torch.inference_mode()
     def measure_costs(self, tables: list[list[int]], context: int, rows_grid: list[int],
-                      seqs_grid: list[int], repeats: int) -> tuple[dict, dict, dict]:
+                      seqs_grid: list[int], repeats: int) -> tuple[dict, dict, dict, dict]:
         """Seconds (the fastest of `repeats` runs) of one verify pass (target forward, lm_head,
         greedy acceptance and the context write) for each total row count in `rows_grid`, packed
         B rows to a sequence, with `context` cached tokens each; and for each sequence count in
-        `seqs_grid`, of one draft step and of one pass with one row per sequence (only with
-        B > 1: for B = 1 that is the first measurement). `tables`: free block tables, each
+        `seqs_grid`, of one draft step making B-1 drafts a sequence, of one pass with one row per
+        sequence (only with B > 1: for B = 1 that is the first measurement) and of one draft
+        step making one draft a sequence (only with B > 2). `tables`: free block tables, each
         holding context + B tokens, at least max(rows_grid) / B (rounded up) and max(seqs_grid)
         of them. Caches are written only inside those blocks."""
         b = self.block_size
@@ -342,8 +343,8 @@ class Worker:
             n = -(-rows // b)
             return [b - 1] * (n - 1) + [rows - (n - 1) * b - 1]
 
-        def draft(n: int) -> None:
-            self.run_decode_draft(self.prepare_query_inputs(requests[:n]))
+        def draft(n: int, num_drafts: int | None = None) -> None:
+            self.run_decode_draft(self.prepare_query_inputs(requests[:n], num_drafts))
 
         target_s = {rows: fastest_seconds(lambda r=rows: verify(packed(r)), repeats)
                     for rows in rows_grid}
@@ -351,7 +352,9 @@ class Worker:
             {n: fastest_seconds(lambda n=n: draft(n), repeats) for n in seqs_grid}
         decode_s = {} if b == 1 else \
             {n: fastest_seconds(lambda n=n: verify([0] * n), repeats) for n in seqs_grid}
-        return target_s, draft_s, decode_s
+        draft_one_s = {} if self.draft is None or b <= 2 else \
+            {n: fastest_seconds(lambda n=n: draft(n, 1), repeats) for n in seqs_grid}
+        return target_s, draft_s, decode_s, draft_one_s
 
     # ----------------------------------------------------------------------------- helpers
     def _pending(self, requests):
