@@ -283,6 +283,21 @@ def test_cost_model_interpolates_and_extrapolates():
     assert CostModel.from_json(m.to_json()) == m
 
 
+def test_calibration_times_every_point_in_turn(monkeypatch):
+    calls, clock = [], iter(range(1000))
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: next(clock))
+    slow = {"a": 1, "b": 1}
+
+    def fn(key):
+        calls.append(key)
+        for _ in range(slow[key]):   # each call of `a` ticks the clock once more than `b`'s
+            next(clock)
+    slow["a"] = 2
+    seconds = cost_model.fastest_each({"a": lambda: fn("a"), "b": lambda: fn("b")}, 3)
+    assert calls == ["a", "b"] * 4   # a warm-up each, then rounds of one call each
+    assert seconds == {"a": 3, "b": 2}
+
+
 def test_calibration_times_a_preempted_point_again(monkeypatch):
     calls = []
 

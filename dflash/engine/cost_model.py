@@ -10,10 +10,10 @@ verify pass with the rows packed B to a sequence (what verifying drafts adds is 
 slope), `draft` the block forward of the drafting sequences plus the draft's lm_head over the
 k rows of each whose drafts can be verified (k the longest verify of the step; 0 when none
 drafts). The draft is timed at k = 1 and k = B-1 and priced linearly in k between. They are
-timed on small grids with the engine's own worker and caches (`Worker.measure_costs`), points
-that look preempted (slower than a larger point) are timed again, and values in between are
-interpolated linearly (extrapolated from the last two beyond the grid: GEMMs are linear in rows
-once they are compute bound).
+timed on small grids with the engine's own worker and caches (`Worker.measure_costs`), all
+points in turn (`fastest_each`); points that look preempted (slower than a larger point) are
+timed again, and values in between are interpolated linearly (extrapolated from the last two
+beyond the grid: GEMMs are linear in rows once they are compute bound).
 
 The measurements are cached as JSON under `dflash.assets.cache_dir() / "calibration"`, keyed by
 the host (CPU model, flags, ONEDNN_MAX_CPU_ISA, threads, torch), the checkpoints (paths, sizes,
@@ -136,13 +136,23 @@ def _interpolate(xs: np.ndarray, ys: np.ndarray, x):
 def fastest_seconds(fn, repeats: int) -> float:
     """The fastest of `repeats` timed runs of fn() after a warm-up: what the work costs when
     nothing else interrupts it (a median still carries the preemptions of a busy machine)."""
-    fn()   # warm-up: first-call allocations, kernel selection
-    times = []
+    return fastest_each({0: fn}, repeats)[0]
+
+
+def fastest_each(fns: dict, repeats: int) -> dict:
+    """fastest_seconds of every fn in `fns` ({key: fn} -> {key: seconds}), timed in turn: round r
+    runs each fn once, so every fn is timed across the same stretch of time and a phase in which
+    the machine runs slower (another tenant, a frequency change) weighs on all of them alike
+    instead of on the points measured during it."""
+    for fn in fns.values():
+        fn()   # warm-up: first-call allocations, kernel selection
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best
 
 
 def powers_of_two_to(limit: int) -> list[int]:

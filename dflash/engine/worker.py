@@ -28,7 +28,7 @@ import torch
 from .. import noise, sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
 from ..models.layers import build_metadata, pack_linear_weight
-from .cost_model import fastest_seconds
+from .cost_model import fastest_each
 from .request import Request
 from .step import decode_step, draft_logits, greedy_drafts
 
@@ -316,14 +316,15 @@ class Worker:
     @torch.inference_mode()
     def measure_costs(self, tables: list[list[int]], context: int, rows_grid: list[int],
                       seqs_grid: list[int], repeats: int) -> tuple[dict, dict, dict, dict]:
-        """Seconds (the fastest of `repeats` runs) of one verify pass (target forward, lm_head,
-        greedy acceptance and the context write) for each total row count in `rows_grid`, packed
-        B rows to a sequence, with `context` cached tokens each; and for each sequence count in
-        `seqs_grid`, of one draft step making B-1 drafts a sequence, of one pass with one row per
-        sequence (only with B > 1: for B = 1 that is the first measurement) and of one draft
-        step making one draft a sequence (only with B > 2). `tables`: free block tables, each
-        holding context + B tokens, at least max(rows_grid) / B (rounded up) and max(seqs_grid)
-        of them. Caches are written only inside those blocks."""
+        """Seconds (the fastest of `repeats` runs, all points timed in turn: `fastest_each`) of
+        one verify pass (target forward, lm_head, greedy acceptance and the context write) for
+        each total row count in `rows_grid`, packed B rows to a sequence, with `context` cached
+        tokens each; and for each sequence count in `seqs_grid`, of one draft step making B-1
+        drafts a sequence, of one pass with one row per sequence (only with B > 1: for B = 1
+        that is the first measurement) and of one draft step making one draft a sequence (only
+        with B > 2). `tables`: free block tables, each holding context + B tokens, at least
+        max(rows_grid) / B (rounded up) and max(seqs_grid) of them. Caches are written only
+        inside those blocks."""
         b = self.block_size
         requests = []
         for table in tables:
@@ -346,15 +347,20 @@ class Worker:
         def draft(n: int, num_drafts: int | None = None) -> None:
             self.run_decode_draft(self.prepare_query_inputs(requests[:n], num_drafts))
 
-        target_s = {rows: fastest_seconds(lambda r=rows: verify(packed(r)), repeats)
-                    for rows in rows_grid}
-        draft_s = {} if self.draft is None else \
-            {n: fastest_seconds(lambda n=n: draft(n), repeats) for n in seqs_grid}
-        decode_s = {} if b == 1 else \
-            {n: fastest_seconds(lambda n=n: verify([0] * n), repeats) for n in seqs_grid}
-        draft_one_s = {} if self.draft is None or b <= 2 else \
-            {n: fastest_seconds(lambda n=n: draft(n, 1), repeats) for n in seqs_grid}
-        return target_s, draft_s, decode_s, draft_one_s
+        jobs = {("target", rows): lambda r=rows: verify(packed(r)) for rows in rows_grid}
+        for n in seqs_grid:
+            if self.draft is not None:
+                jobs["draft", n] = lambda n=n: draft(n)
+            if b > 1:
+                jobs["decode", n] = lambda n=n: verify([0] * n)
+            if self.draft is not None and b > 2:
+                jobs["draft_one", n] = lambda n=n: draft(n, 1)
+        seconds = fastest_each(jobs, repeats)
+        if ("decode", 1) in seconds and ("target", 1) in seconds:   # the same pass: one row
+            seconds["decode", 1] = seconds["target", 1] = min(seconds["decode", 1],
+                                                              seconds["target", 1])
+        return tuple({x: t for (name, x), t in seconds.items() if name == series}
+                     for series in ("target", "draft", "decode", "draft_one"))
 
     # ----------------------------------------------------------------------------- helpers
     def _pending(self, requests):
