@@ -1,11 +1,12 @@
-"""Micro-benchmark of dflash::panel_linear (float32) on SmolLM2-135M's GEMM shapes.
+"""Micro-benchmark of dflash::panel_linear on SmolLM2-135M's GEMM shapes.
 
 One pass over all of the model's linear weights (30 layers of qkv, o, gate_up, down, then the
 lm_head: 538 MB, more than this machine's cache, as in a decode step) for 1, 4, 16 and 64 rows,
-in the same run: torch's F.linear (MKL) on the [N, K] weights, and panel_linear on the same
-weights in column panels; and the bytes streamed per second against a plain copy of the same
-number of bytes (a pass that is bound by memory bandwidth runs near 0.5 copy, which moves each
-byte twice).
+in the same run: torch's F.linear (MKL) on the [N, K] float32 weights, panel_linear on the same
+weights in column panels, and panel_linear on bf16 weights in panels with bf16 rows (float32
+math, each weight widened as it is loaded: half the bytes to stream); and the float32 bytes
+streamed per second against a plain copy of the same number of bytes (a pass that is bound by
+memory bandwidth runs near 0.5 copy, which moves each byte twice).
 
     python bench/bench_panel_linear.py [--threads N]   # from the repository root
 """
@@ -42,6 +43,7 @@ def main() -> None:
     shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = [torch.randn(shape) for shape in shapes]
     panels = [ops.to_panels(w) for w in weights]
+    bf16_panels = [p.bfloat16() for p in panels]
     nbytes = sum(w.numel() * 4 for w in weights)
     copy = copy_bandwidth(nbytes)
     rows = []
@@ -49,10 +51,13 @@ def main() -> None:
         x = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
         t_torch = timeit(lambda x=x: one_pass(F.linear, weights, x), min_time=1.0)
         t_panel = timeit(lambda x=x: one_pass(ops.panel_linear, panels, x), min_time=1.0)
+        x16 = {k: v.bfloat16() for k, v in x.items()}
+        t_bf16 = timeit(lambda x=x16: one_pass(ops.panel_linear, bf16_panels, x), min_time=1.0)
         rows.append({"rows": m, "F.linear ms": t_torch * 1e3, "panel_linear ms": t_panel * 1e3,
                      "speedup": t_torch / t_panel,
                      "panel_linear GB/s": nbytes / t_panel / 1e9,
-                     "vs copy": nbytes / t_panel / copy})
+                     "vs copy": nbytes / t_panel / copy,
+                     "bf16 panel_linear ms": t_bf16 * 1e3, "bf16 / float32 time": t_bf16 / t_panel})
     write("panel_linear", rows, list(rows[0]))
 
 

@@ -34,6 +34,20 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
+# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) that still admit its bf16 dot-product or AMX kernels
+BF16_ISA_LIMITS = ("", "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
+                   "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16")
+
+
+def bf16_matrix_units() -> bool:
+    """Whether oneDNN multiplies bf16 in hardware here (AVX512-BF16 or AMX present and not hidden
+    by ONEDNN_MAX_CPU_ISA). Without them its bf16 GEMMs are emulated and slower than float32,
+    so bf16 weights go through dflash's panel_linear instead (float32 math, half the bytes)."""
+    _, flags = _cpuinfo()
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) and limit in BF16_ISA_LIMITS
+
+
 def describe() -> dict:
     """The CPU model, its FLAGS (True / False), oneDNN's runtime ISA limit (ONEDNN_MAX_CPU_ISA,
     which hides AMX / AVX512-BF16 from oneDNN and from dflash's own matrix path), the threads

@@ -187,9 +187,8 @@ def panel_linear_inputs(dtype=torch.float32, rows=5, n=48, k=37, bias=True):
 
 
 def packed_weight_dtypes() -> list[torch.dtype]:
-    """The dtypes `pack_linear_weight` re-lays out on this CPU (bf16 only with oneDNN's GEMMs)."""
-    bf16 = [torch.bfloat16] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else []
-    return [torch.float32, *bf16]
+    """The dtypes `pack_linear_weight` re-lays out on CPU (oneDNN's layout or panels)."""
+    return [torch.float32, torch.bfloat16]
 
 
 LAYER_OP_INPUTS = {"rms_norm": rms_norm_inputs, "add_rms_norm": add_rms_norm_inputs,

@@ -180,14 +180,21 @@ def test_unverified_positions_do_not_keep_an_optimistic_prior():
 
 
 # ------------------------------------------------------------------ exactness under any schedule
-@pytest.mark.parametrize("max_num_seqs", [1, 8])
-def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seqs):
+@pytest.mark.parametrize("max_num_seqs, dtype", [(1, "float32"), (8, "float32"),
+                                                  (8, "bfloat16")])
+def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seqs, dtype,
+                                                             monkeypatch):
+    """bfloat16 as on a CPU without bf16 matrix units: the GEMMs go through panel_linear, which,
+    like every float32 op, computes a row the same way whatever the rows beside it."""
+    from dflash.models import layers
+
+    monkeypatch.setattr(layers.host, "bf16_matrix_units", lambda: False)
     target, draft = models
-    baseline = LLM(target, dtype="float32", max_num_seqs=8)
+    baseline = LLM(target, dtype=dtype, max_num_seqs=8)
     # mixed lengths: requests join and leave while others run
     sp = [SamplingParams(max_tokens=8 + 7 * i) for i in range(len(PROMPTS))]
     expected = [o.token_ids for o in baseline.generate(PROMPTS, sp)]
-    llm = LLM(target, draft, dtype="float32", max_num_seqs=max_num_seqs)
+    llm = LLM(target, draft, dtype=dtype, max_num_seqs=max_num_seqs)
     llm.planner = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == expected

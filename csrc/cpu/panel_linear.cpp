@@ -7,10 +7,11 @@
 // along. The panel layout (dflash.ops.to_panels: panels[p, k, j] = W[16 p + j, k]) makes the
 // inner loop one contiguous 16-float load per k per panel, shared by a block of rows of x.
 //
-// Precision: float32 math (x and W converted once), each output one fused multiply-add chain
-// over k in order, plus the bias, rounded once to the dtype. A row's result does not depend on
-// the other rows of the call nor on the thread split, so the rows of a 16-token verification
-// equal the 1-token decodes of the same tokens bit for bit.
+// Precision: float32 math (x converted once, bf16 / fp16 weights widened as they are loaded, so
+// they stream at half the bytes), each output one fused multiply-add chain over k in order, plus
+// the bias, rounded once to the dtype. A row's result does not depend on the other rows of the
+// call nor on the thread split, so the rows of a 16-token verification equal the 1-token decodes
+// of the same tokens bit for bit.
 #include "cpu/common.h"
 
 namespace dflash::panel_linear {
@@ -20,6 +21,35 @@ using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kPanel = 16;                // output columns per panel (the layout's width)
 constexpr int kVecs = kPanel / fVec::size();  // vectors per panel row
 static_assert(kPanel % fVec::size() == 0, "a panel row must be whole vectors");
+
+// fVec::size() weights at `p` as float32: a plain load, or for bf16 / fp16 a widening one (the
+// exact float32 values of the 16-bit ones).
+template <typename T>
+inline fVec load_weights(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return fVec::loadu(p);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+#else
+    float wide[fVec::size()];
+    for (int j = 0; j < fVec::size(); ++j) wide[j] = static_cast<float>(p[j]);
+    return fVec::loadu(wide);
+#endif
+  }
+}
 
 // Threads split the panels; each walks its share in tiles of NP panels and, inside a tile, blocks
 // of MR rows of x that share each weight load (NP * MR * kVecs accumulators in registers). Few
@@ -34,8 +64,8 @@ constexpr int kFewNP = 2, kFewMR = 2, kManyNP = 2, kManyMR = 2;
 
 // out[m * ldo + c] = sum_k x[m, k] * tile[k, c] for MR rows of x and the NP * kPanel columns of
 // the NP panels at `tile` ([k, kPanel] floats each, consecutive).
-template <int NP, int MR>
-void multiply_rows(const float* x, int64_t k, const float* tile, float* out, int64_t ldo) {
+template <int NP, int MR, typename T>
+void multiply_rows(const float* x, int64_t k, const T* tile, float* out, int64_t ldo) {
   constexpr int kAcc = NP * kVecs;
   fVec acc[MR][kAcc];
   for (int m = 0; m < MR; ++m)
@@ -44,7 +74,7 @@ void multiply_rows(const float* x, int64_t k, const float* tile, float* out, int
     fVec w[kAcc];
     for (int p = 0; p < NP; ++p)
       for (int j = 0; j < kVecs; ++j)
-        w[p * kVecs + j] = fVec::loadu(tile + (p * k + i) * kPanel + j * fVec::size());
+        w[p * kVecs + j] = load_weights(tile + (p * k + i) * kPanel + j * fVec::size());
     for (int m = 0; m < MR; ++m) {
       const fVec xm(x[m * k + i]);
       for (int j = 0; j < kAcc; ++j) acc[m][j] = at::vec::fmadd(w[j], xm, acc[m][j]);
@@ -55,8 +85,8 @@ void multiply_rows(const float* x, int64_t k, const float* tile, float* out, int
 }
 
 // multiply_rows for the last `rest` (< the block's) rows, the row count fixed at compile time.
-template <int NP, int MR>
-void multiply_rest(int64_t rest, const float* x, int64_t k, const float* tile, float* out,
+template <int NP, int MR, typename T>
+void multiply_rest(int64_t rest, const float* x, int64_t k, const T* tile, float* out,
                    int64_t ldo) {
   if constexpr (MR > 0) {
     if (rest == MR) {
@@ -68,8 +98,8 @@ void multiply_rest(int64_t rest, const float* x, int64_t k, const float* tile, f
 }
 
 // multiply_rows for all `rows` rows of x, MR at a time, then the remainder.
-template <int NP, int MR>
-void multiply_tile(const float* x, int64_t rows, int64_t k, const float* tile, float* out,
+template <int NP, int MR, typename T>
+void multiply_tile(const float* x, int64_t rows, int64_t k, const T* tile, float* out,
                    int64_t ldo) {
   int64_t m = 0;
   for (; m + MR <= rows; m += MR) multiply_rows<NP, MR>(x + m * k, k, tile, out + m * ldo, ldo);
@@ -77,8 +107,8 @@ void multiply_tile(const float* x, int64_t rows, int64_t k, const float* tile, f
 }
 
 // multiply_tile for a last tile of np (< NP) panels, np fixed at compile time.
-template <int NP, int MR>
-void multiply_partial_tile(int64_t np, const float* x, int64_t rows, int64_t k, const float* tile,
+template <int NP, int MR, typename T>
+void multiply_partial_tile(int64_t np, const float* x, int64_t rows, int64_t k, const T* tile,
                            float* out, int64_t ldo) {
   if constexpr (NP > 0) {
     if (np == NP) {
@@ -86,6 +116,17 @@ void multiply_partial_tile(int64_t np, const float* x, int64_t rows, int64_t k, 
     } else {
       multiply_partial_tile<NP - 1, MR>(np, x, rows, k, tile, out, ldo);
     }
+  }
+}
+
+// multiply_tile for np (<= NP) panels.
+template <int NP, int MR, typename T>
+void multiply_panels(int64_t np, const float* x, int64_t rows, int64_t k, const T* tile,
+                     float* out, int64_t ldo) {
+  if (np == NP) {
+    multiply_tile<NP, MR>(x, rows, k, tile, out, ldo);
+  } else {
+    multiply_partial_tile<NP - 1, MR>(np, x, rows, k, tile, out, ldo);
   }
 }
 
@@ -100,17 +141,10 @@ void multiply(const float* x, int64_t rows, int64_t k, const T* weight, int64_t 
   // of the model's narrower weights); each walks its share NP panels at a time
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> result(rows * kCols);
-    // a float32 copy of each weight tile (none for float32 itself)
-    std::vector<float> tile_scratch(std::is_same_v<T, float> ? 0 : kCols * k);
     for (int64_t first = begin; first < end; first += NP) {
       const int64_t np = std::min<int64_t>(NP, end - first);
-      const float* tile = as_float(weight + first * kPanel * k, tile_scratch.data(),
-                                   np * kPanel * k);
-      if (np == NP) {
-        multiply_tile<NP, MR>(x, rows, k, tile, result.data(), kCols);
-      } else {
-        multiply_partial_tile<NP - 1, MR>(np, x, rows, k, tile, result.data(), kCols);
-      }
+      const T* tile = weight + first * kPanel * k;
+      multiply_panels<NP, MR>(np, x, rows, k, tile, result.data(), kCols);
       const int64_t cols = np * kPanel, col0 = first * kPanel;
       for (int64_t m = 0; m < rows; ++m) {
         float* r = result.data() + m * kCols;

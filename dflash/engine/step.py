@@ -38,12 +38,13 @@ def draft_logits(target: TargetModel, draft: DFlashDraft, draft_head: torch.Tens
 
     tokens: [Bs, B] blocks [pending, MASK * (B-1)]; meta: their positions n .. n+B-1. The forward
     runs over the whole block (its attention is non-causal); only the K rows whose drafts can be
-    verified go through the lm_head: the target's (V' = V), or `draft_head`, the rows of a draft
-    vocabulary (V' = its size)."""
+    verified go through the draft's last MLP and the lm_head: the target's (V' = V), or
+    `draft_head`, the rows of a draft vocabulary (V' = its size)."""
     bs, b = tokens.shape
-    hidden = draft(target.embed_tokens(tokens.flatten()), meta, draft_cache)
-    rows = hidden.view(bs, b, -1)[:, 1:num_drafts + 1].reshape(bs * num_drafts, -1)
-    logits = target.logits(rows) if draft_head is None else linear(rows, draft_head)
+    rows = (torch.arange(bs, device=tokens.device)[:, None] * b
+            + torch.arange(1, num_drafts + 1, device=tokens.device)).flatten()
+    hidden = draft(target.embed_tokens(tokens.flatten()), meta, draft_cache, rows)
+    logits = target.logits(hidden) if draft_head is None else linear(hidden, draft_head)
     return logits.view(bs, num_drafts, -1)
 
 

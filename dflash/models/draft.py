@@ -44,8 +44,10 @@ class DraftLayer(nn.Module):
         self.o_bias = _param(a.hidden_size) if a.attention_bias else None
         self.mlp = MLP(a.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos_sin, kv_weight, kv_bias, k_norm, attend):
-        """`attend(q, k, v)` runs attention of the block over context + block."""
+    def forward(self, x, cos_sin, kv_weight, kv_bias, k_norm, attend, rows=None):
+        """`attend(q, k, v)` runs attention of the block over context + block. `rows` (None:
+        all): the rows to return; past attention each row is computed from its own values only,
+        so the output projection and the MLP run over those rows alone."""
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
         q = linear(h, self.q, self.q_bias).view(t, self.num_heads, self.head_dim)
@@ -53,8 +55,10 @@ class DraftLayer(nn.Module):
         k, v = kv.view(t, 2, self.num_kv_heads, self.head_dim).unbind(1)
         q = rope(rms_norm(q, self.q_norm, self.eps), cos_sin)
         k = rope(rms_norm(k, k_norm, self.eps), cos_sin)
-        h, x = add_rms_norm(linear(attend(q, k, v).reshape(t, -1), self.o, self.o_bias), x,
-                            self.post_norm, self.eps)
+        h = attend(q, k, v).reshape(t, -1)
+        if rows is not None:
+            h, x = h[rows], x[rows]
+        h, x = add_rms_norm(linear(h, self.o, self.o_bias), x, self.post_norm, self.eps)
         return x + self.mlp(h)
 
 
@@ -113,9 +117,12 @@ class DFlashDraft(nn.Module):
                        validate)
 
     def forward(self, block_embeds: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Non-causal pass over blocks (block_embeds [T, H], the target's embeddings of the block
-        tokens); returns the final-normed hidden states [T, H]."""
+        tokens); returns the final-normed hidden states [T, H], or [len(rows), H] of the block
+        rows `rows` (int64). The last layer's output projection and MLP then run over those
+        rows only (every row's keys and values still feed its attention): a step that verifies
+        k drafts a block pays for k rows there, not B."""
         scale = self.cfg.attn.head_dim**-0.5
         cos_sin = self.cos_sin[meta.positions]
         x = block_embeds
@@ -128,5 +135,7 @@ class DFlashDraft(nn.Module):
             kv_weight, kv_bias = self.layer_kv(i)
             if self.packed_kv:
                 kv_weight = self.packed_kv[i]
-            x = layer(x, cos_sin, kv_weight, kv_bias, self.k_norm[i], attend)
+            last = i == len(self.layers) - 1
+            x = layer(x, cos_sin, kv_weight, kv_bias, self.k_norm[i], attend,
+                      rows if last else None)
         return rms_norm(x, self.norm, self.cfg.attn.rms_norm_eps)

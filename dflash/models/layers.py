@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _library, ops, reference
+from .. import _library, host, ops, reference
 from .config import AttentionConfig
 
 
@@ -112,17 +112,20 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tenso
     Packed weights serve inference only (`linear`), with the same float32 accumulation.
 
     On CPU, torch's GEMMs are slow for small row counts (1-16 rows per sequence):
-    * bfloat16: oneDNN's blocked layout runs 1.4-2.4x faster for any row count (`rows_hint`
-      only tunes the layout) with the same rounding.
-    * float32 (N a multiple of 16): column panels for `ops.panel_linear`, which streams the
-      weight once per call: ~0.85x MKL's time at 1 row, ~0.7x at 16 (bench_panel_linear.py).
+    * bfloat16 on a CPU with bf16 matrix units (`host.bf16_matrix_units`): oneDNN's blocked
+      layout runs 1.4-2.4x faster for any row count (`rows_hint` only tunes the layout) with the
+      same rounding.
+    * float32, and bfloat16 without those units (N a multiple of 16): column panels for
+      `ops.panel_linear`, which streams the weight once per call (float32: ~0.85x MKL's time at
+      1 row, ~0.7x at 16; bf16 weights widened as they load: ~0.65x float32's time at 1-4 rows;
+      bench_panel_linear.py).
     """
     if weight.device.type != "cpu" or weight.is_mkldnn or weight.dim() != 2:
         return weight
-    if weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if weight.dtype == torch.bfloat16 and host.bf16_matrix_units():
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
-    if weight.dtype == torch.float32 and weight.shape[0] % reference.PANEL == 0 and \
-            _library.has_kernel("panel_linear"):
+    if weight.dtype in (torch.float32, torch.bfloat16) and \
+            weight.shape[0] % reference.PANEL == 0 and _library.has_kernel("panel_linear"):
         return ops.to_panels(weight)
     return weight
 
