@@ -13,7 +13,6 @@ import torch
 from dflash import LLM, SamplingParams
 from dflash.engine import cost_model
 from dflash.engine import llm as llm_module
-from dflash.engine import worker as worker_module
 from dflash.engine.cache import BlockAllocator
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Acceptance, Planner, choose_num_drafts, step_rate
@@ -349,19 +348,19 @@ def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured
 
 @pytest.mark.parametrize("backlog_rows", [2, 128])
 def test_held_back_draft_context_gives_the_draft_what_an_immediate_write_gives(
-        models, monkeypatch, backlog_rows):
+        models, backlog_rows):
     """Sequences that verify no drafts hold their draft-context rows back until they draft
     again: every draft forward must then see what it sees when every row is written at once
     (float32; up to the GEMM rounding of context_kv calls of other row counts, where a missing
     or misplaced row would change the draft's output by O(1)), and a sequence holds back at
-    most BACKLOG_ROWS rows."""
+    most backlog_rows rows."""
     target, draft = models
-    monkeypatch.setattr(worker_module, "BACKLOG_ROWS", backlog_rows)
     sp = [SamplingParams(max_tokens=8 + 7 * i) for i in range(len(PROMPTS))]
     hidden, tokens, flushed = {}, {}, []
     for defer in (True, False):
         llm = LLM(target, draft, dtype="float32", max_num_seqs=4)
         llm.worker.defer_context = defer
+        llm.worker.backlog_rows = backlog_rows
         llm.planner = RandomVerifySchedule(3, k_max=B - 1)
         calls = hidden[defer] = []
         llm.worker.draft.register_forward_hook(lambda m, args, out, calls=calls:

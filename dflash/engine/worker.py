@@ -53,7 +53,9 @@ class Verified:
     meta: AttentionMetadata
 
 
-BACKLOG_ROWS = 128   # draft-context rows a sequence that stopped drafting may hold back
+# the draft-context features a sequence that stopped drafting may hold back: 1213 rows of the
+# bundled pair in bf16, 102 of a Qwen3-8B target's 5 captured layers
+BACKLOG_BYTES = 4 << 20
 
 
 class Worker:
@@ -83,6 +85,8 @@ class Worker:
             target.output_rows(vocab) if draft.lm_head is None else draft.lm_head)
         self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
+        self.backlog_rows = 0 if draft is None else \
+            BACKLOG_BYTES // (draft.fc.shape[1] * dtype.itemsize)
         # the device work of a uniform step; a graph-capturing caller puts its compiled form here
         self.decode_step = decode_step
         self.prefill_seconds = 0.0   # time spent in prefill (benchmarks report it separately)
@@ -209,13 +213,14 @@ class Worker:
         to the draft's context cache.
 
         The row of a sequence that verified no drafts waits on its request instead (up to
-        BACKLOG_ROWS of them) and is written, with the others held back, when the sequence
-        drafts again (`_flush_context`), or never if it finishes first: at large batches
-        speculation often stays off, and then every write would be pure cost. Each row's K/V
-        depend on that row alone, so a late write stores what an immediate one would have."""
+        `backlog_rows` of them: BACKLOG_BYTES of features) and is written, with the others held
+        back, when the sequence drafts again (`_flush_context`), or never if it finishes first:
+        at large batches speculation often stays off, and then every write would be pure cost.
+        Each row's K/V depend on that row alone, so a late write stores what an immediate one
+        would have."""
         keep, held, waiting, start = [], [], [], 0
         for r, a, k in zip(requests, verified.accepted, verified.num_drafts):
-            if k == 0 and self.defer_context and len(r.context_backlog) < BACKLOG_ROWS:
+            if k == 0 and self.defer_context and len(r.context_backlog) < self.backlog_rows:
                 held.append(start)
                 waiting.append(r)
             else:
