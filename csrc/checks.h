@@ -288,8 +288,17 @@ inline void panel_linear_meta(const at::Tensor& x, const at::Tensor& weight_pane
                               const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "panel_linear";
   rows_input(op, x);
-  check_tensor(op, "weight_panels", weight_panels, {x.scalar_type()}, 3, {kAny, x.size(-1), 16},
-               x.device());
+  const int64_t k = x.size(-1);
+  if (weight_panels.dim() == 4) {  // pair panels: bfloat16, K even
+    check_tensor(op, "weight_panels", weight_panels, {x.scalar_type()}, 4, {kAny, k / 2, 16, 2},
+                 x.device());
+    DFLASH_CHECK(x.scalar_type() == at::kBFloat16, op, "pair panels (4-D weight_panels) hold ",
+                 "bfloat16 weights only, got ", dtype_str(x.scalar_type()));
+    DFLASH_CHECK(k % 2 == 0, op, "pair panels need an even K, x has ", k, " columns");
+  } else {
+    check_tensor(op, "weight_panels", weight_panels, {x.scalar_type()}, 3, {kAny, k, 16},
+                 x.device());
+  }
   if (bias)
     check_tensor(op, "bias", *bias, kFloats, 1, {weight_panels.size(0) * 16}, x.device());
 }

@@ -240,10 +240,18 @@ def silu_and_mul_meta(x) -> None:
 
 
 def panel_linear_meta(x, weight_panels, bias) -> None:
-    """weight_panels [N / 16, K, 16] (`ops.to_panels`) in x's dtype; bias [N]."""
+    """weight_panels [N / 16, K, 16] (`ops.to_panels`) in x's dtype, or bfloat16 pair panels
+    [N / 16, K / 2, 16, 2] (`ops.to_pair_panels`, K even); bias [N]."""
     op = "panel_linear"
     _rows_input(op, x)
-    tensor(op, "weight_panels", weight_panels, x.dtype, 3, (None, x.shape[-1], 16), x.device)
+    k = x.shape[-1]
+    if isinstance(weight_panels, torch.Tensor) and weight_panels.dim() == 4:
+        tensor(op, "weight_panels", weight_panels, x.dtype, 4, (None, k // 2, 16, 2), x.device)
+        require(x.dtype == torch.bfloat16, op, "pair panels (4-D weight_panels) hold bfloat16 "
+                f"weights only, got {x.dtype}")
+        require(k % 2 == 0, op, f"pair panels need an even K, x has {k} columns")
+    else:
+        tensor(op, "weight_panels", weight_panels, x.dtype, 3, (None, k, 16), x.device)
     if bias is not None:
         tensor(op, "bias", bias, FLOAT_DTYPES, 1, (weight_panels.shape[0] * 16,), x.device)
 

@@ -76,5 +76,6 @@ def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive
 
 def _row_dependent(dtypes: list[str]) -> bool:
     """Whether a dtype's GEMMs may round a row differently by the rows beside it: oneDNN's bf16
-    (on CPUs with bf16 units; elsewhere bf16 goes through panel_linear) and float16."""
-    return any(d == "float16" or (d == "bfloat16" and host.bf16_matrix_units()) for d in dtypes)
+    (on CPUs with AMX; elsewhere bf16 goes through panel_linear) and float16."""
+    return any(d == "float16" or (d == "bfloat16" and host.bf16_gemm() == "onednn")
+               for d in dtypes)

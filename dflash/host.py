@@ -34,18 +34,27 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
-# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) that still admit its bf16 dot-product or AMX kernels
-BF16_ISA_LIMITS = ("", "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16",
-                   "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16")
+# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) that still admit AMX, and those that still admit the
+# AVX512-BF16 dot products
+AMX_ISA_LIMITS = ("", "ALL", "DEFAULT", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16")
+BF16_DOT_ISA_LIMITS = (*AMX_ISA_LIMITS, "AVX512_CORE_BF16", "AVX512_CORE_FP16")
 
 
-def bf16_matrix_units() -> bool:
-    """Whether oneDNN multiplies bf16 in hardware here (AVX512-BF16 or AMX present and not hidden
-    by ONEDNN_MAX_CPU_ISA). Without them its bf16 GEMMs are emulated and slower than float32,
-    so bf16 weights go through dflash's panel_linear instead (float32 math, half the bytes)."""
+def bf16_gemm() -> str:
+    """How the engine multiplies bf16 weights on this CPU (`layers.pack_linear_weight`), from its
+    flags as ONEDNN_MAX_CPU_ISA leaves them:
+    * "onednn": AMX tiles; oneDNN's blocked GEMM makes a 16-row pass cost about a 1-row one;
+    * "pairs": AVX512-BF16 without AMX; panel_linear's pair panels through the bf16 dot-product
+      instruction (as fast as oneDNN there from 8 rows on, faster below, and row-invariant);
+    * "panels": neither; panel_linear's column panels, float32 math on weights widened as they
+      load (oneDNN would emulate bf16 products, slower than float32)."""
     _, flags = _cpuinfo()
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    return bool(flags & {"avx512_bf16", "amx_bf16"}) and limit in BF16_ISA_LIMITS
+    if "amx_bf16" in flags and limit in AMX_ISA_LIMITS:
+        return "onednn"
+    if "avx512_bf16" in flags and limit in BF16_DOT_ISA_LIMITS:
+        return "pairs"
+    return "panels"
 
 
 def describe() -> dict:

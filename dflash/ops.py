@@ -176,7 +176,8 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
                                            value_cache, slot_mapping, num_heads, eps, validate)
 
 
-to_panels, from_panels = reference.to_panels, reference.from_panels
+to_panels, to_pair_panels, from_panels = (reference.to_panels, reference.to_pair_panels,
+                                      reference.from_panels)
 
 
 def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
@@ -184,7 +185,9 @@ def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
     """A linear layer for the few rows of decoding: x [..., K] -> x @ W.T + bias [..., N].
 
     weight_panels: W [N, K] in column panels, `to_panels(W)`: [N / 16, K, 16] in x's dtype (each
-    weight element is read once per call, however many rows x has). bias: [N] or None.
-    Float32 math, one rounding to x's dtype; a row's result does not depend on the other rows.
+    weight element is read once per call, however many rows x has); or, bfloat16 with K even,
+    in pair panels, `to_pair_panels(W)`: [N / 16, K / 2, 16, 2], multiplied with AVX512-BF16's
+    dot products where the CPU has them. bias: [N] or None.
+    Float32 sums, one rounding to x's dtype; a row's result does not depend on the other rows.
     """
     return torch.ops.dflash.panel_linear(x, weight_panels, bias)

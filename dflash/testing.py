@@ -176,13 +176,14 @@ def qkv_rope_cache_inputs(dtype=torch.float32, t=5, hq=4, hkv=2, d=32, norm=True
             "slot_mapping": torch.tensor([5, -1, 11, 0, 6])[:t], "num_heads": hq, "eps": 1e-6}
 
 
-def panel_linear_inputs(dtype=torch.float32, rows=5, n=48, k=37, bias=True):
+def panel_linear_inputs(dtype=torch.float32, rows=5, n=48, k=37, bias=True, pairs=False):
     """Small integers over powers of two: every product and sum is exact in float32, so any
-    summation order gives the same result."""
+    summation order gives the same result. pairs: the weight in pair panels (bfloat16, k even)."""
     g = torch.Generator().manual_seed(8)
     weight = torch.randint(-8, 9, (n, k), generator=g) / 16
+    layout = reference.to_pair_panels if pairs else reference.to_panels
     return {"x": torch.randint(-8, 9, (rows, k), generator=g).to(dtype),
-            "weight_panels": reference.to_panels(weight.to(dtype)),
+            "weight_panels": layout(weight.to(dtype)),
             "bias": torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4 if bias else None}
 
 

@@ -25,15 +25,16 @@ def test_flags_and_model_match_lscpu(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, limit, expected", [
-    ({"avx512f", "avx512_bf16"}, "", True),
-    ({"avx512f", "avx512_bf16"}, "avx512_core_bf16", True),
-    ({"avx512f", "avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", True),
-    ({"avx512f", "avx512_bf16"}, "AVX512_CORE", False),     # the limit hides the bf16 units
-    ({"avx512f", "amx_bf16", "amx_tile"}, "AVX2", False),
-    ({"avx512f", "avx2"}, "", False),                       # none to hide
+    ({"avx512f", "avx512_bf16"}, "", "pairs"),
+    ({"avx512f", "avx512_bf16"}, "avx512_core_bf16", "pairs"),
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, "", "onednn"),
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", "onednn"),
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", "pairs"),  # AMX hidden
+    ({"avx512f", "avx512_bf16"}, "AVX512_CORE", "panels"),   # the limit hides the bf16 units
+    ({"avx512f", "amx_bf16", "amx_tile"}, "AVX2", "panels"),
+    ({"avx512f", "avx2"}, "", "panels"),                     # none to hide
 ])
-def test_bf16_matrix_units_follow_the_flags_and_onednns_limit(monkeypatch, flags, limit,
-                                                             expected):
+def test_bf16_gemm_follows_the_flags_and_onednns_limit(monkeypatch, flags, limit, expected):
     monkeypatch.setattr(host, "_cpuinfo", lambda: ("a CPU", frozenset(flags)))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
-    assert host.bf16_matrix_units() is expected
+    assert host.bf16_gemm() == expected

@@ -130,18 +130,24 @@ def test_qkv_rope_cache_writes_strided_per_layer_cache_views():
     assert torch.equal(stacked[1, 1], expected[4]) and not stacked[0].any()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows, n, k", [(1, 16, 5), (2, 48, 37), (3, 48, 37), (16, 96, 64),
-                                        (13, 4096, 576), (2, 160, 576), (40, 32, 1536)])
-def test_panel_linear_matches_a_float64_gemm(rows, n, k, dtype):
-    """Random (inexact) values, row counts on both sides of the kernel's row tile, K off the
+PANEL_SHAPES = [(1, 16, 5), (2, 48, 37), (3, 48, 37), (16, 96, 64), (13, 4096, 576),
+                (2, 160, 576), (40, 32, 1536), (7, 32, 2), (9, 64, 38)]
+
+
+@pytest.mark.parametrize("rows, n, k, dtype, layout", [
+    *((*shape, dtype, ops.to_panels) for shape in PANEL_SHAPES for dtype in DTYPES),
+    # pair panels: bfloat16 with an even K (the dot-product instruction where the CPU has it)
+    *((*shape, torch.bfloat16, ops.to_pair_panels) for shape in PANEL_SHAPES if shape[2] % 2 == 0),
+], ids=str)
+def test_panel_linear_matches_a_float64_gemm(rows, n, k, dtype, layout):
+    """Random (inexact) values, row counts on both sides of the kernels' row tiles, K off the
     vector width, and shapes large enough to split across threads."""
     g = torch.Generator().manual_seed(rows * n + k)
     x, weight = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
     bias = torch.randn(n, generator=g)
     x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     expected = x.double() @ weight.double().T + bias.double()
-    panels = ops.to_panels(weight)
+    panels = layout(weight)
     got = ops.panel_linear(x, panels, bias)
     assert got.dtype == dtype and got.shape == (rows, n)
     for i in range(rows):   # inexact values: the row property in earnest
@@ -162,6 +168,26 @@ def test_panels_hold_the_weight_columns_in_blocks_of_16():
         ops.to_panels(weight[:30])
 
 
+def test_pair_panels_hold_each_columns_weights_in_pairs():
+    weight = torch.arange(32 * 4.0).view(32, 4).bfloat16()
+    pairs = ops.to_pair_panels(weight)
+    assert pairs.shape == (2, 2, 16, 2)
+    assert pairs[1, 1, 5, 0] == weight[21, 2] and pairs[1, 1, 5, 1] == weight[21, 3]
+    assert torch.equal(reference.from_panels(pairs), weight)
+    for bad in (weight[:30], weight[:, :3], weight.float()):
+        with pytest.raises(ValueError, match="expected bfloat16 with a multiple of 16 rows and "
+                                             "an even column count"):
+            ops.to_pair_panels(bad)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13])
+def test_pair_panels_sum_exact_products_exactly(rows):
+    """Exact values: the dot-product path (or its float32 stand-in) must give the reference's
+    every bit."""
+    args = panel_linear_inputs(torch.bfloat16, rows=rows, k=38, pairs=True)
+    assert torch.equal(ops.panel_linear(**args), reference.panel_linear(**args))
+
+
 def test_panel_linear_of_no_rows_is_empty():
     args = panel_linear_inputs(rows=0)
     assert ops.panel_linear(**args).shape == (0, 48)
@@ -180,6 +206,7 @@ def _bad_inputs():
     """(op, message pattern, changed arguments)."""
     r, a, s = rms_norm_inputs(), add_rms_norm_inputs(), silu_and_mul_inputs()
     p, q, w = rope_inputs(), qkv_rope_cache_inputs(), panel_linear_inputs()
+    pairs = panel_linear_inputs(torch.bfloat16, k=38, pairs=True)
     return [
         ("rms_norm", "x has dtype torch.int64", {"x": r["x"].long()}),
         ("rms_norm", "weight has shape \\[95\\], expected size 96", {"weight": r["weight"][:-1]}),
@@ -221,6 +248,13 @@ def _bad_inputs():
          {"weight_panels": w["weight_panels"].bfloat16()}),
         ("panel_linear", "bias has shape \\[47\\], expected size 48", {"bias": w["bias"][:-1]}),
         ("panel_linear", "x has shape \\[5, 0\\], its last dim is empty", {"x": w["x"][:, :0]}),
+        ("panel_linear", "pair panels \\(4-D weight_panels\\) hold bfloat16 weights only, got "
+                         "torch.float32", {"x": pairs["x"].float(),
+                                           "weight_panels": pairs["weight_panels"].float()}),
+        ("panel_linear", "pair panels need an even K, x has 39 columns",
+         {"x": torch.ones(5, 39, dtype=torch.bfloat16), "weight_panels": pairs["weight_panels"]}),
+        ("panel_linear", "weight_panels has shape \\[3, 19, 16, 2\\], expected size 18 in dim 1",
+         {"x": pairs["x"][:, :36], "weight_panels": pairs["weight_panels"]}),
     ]
 
 
@@ -239,6 +273,11 @@ def test_bad_input_raises_clear_error_before_writing(op, pattern, change, impl):
 @pytest.mark.parametrize("op", INPUTS)
 def test_opcheck(op):
     torch.library.opcheck(getattr(torch.ops.dflash, op), (), INPUTS[op]())
+
+
+def test_opcheck_pair_panels():
+    torch.library.opcheck(torch.ops.dflash.panel_linear, (),
+                          panel_linear_inputs(torch.bfloat16, k=38, pairs=True))
 
 
 def test_every_layer_op_has_inputs_and_a_kernel():

@@ -341,27 +341,28 @@ def test_bad_reduced_vocabulary_is_an_error_naming_it(tmp_path, tiny_target, ten
         load_draft(tmp_path, target.cfg)
 
 
-@pytest.mark.parametrize("matrix_units", [
-    pytest.param(True, marks=pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                                reason="this CPU has no oneDNN bf16 GEMMs")),
-    False], ids=["onednn", "panels"])
+@pytest.mark.parametrize("path", [
+    pytest.param("onednn", marks=pytest.mark.skipif(
+        not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 GEMMs here")),
+    "pairs", "panels"])
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
-def test_packed_bf16_weights_compute_the_same_gemm(monkeypatch, rows, matrix_units):
+def test_packed_bf16_weights_compute_the_same_gemm(monkeypatch, rows, path):
     from dflash.models import layers
 
-    monkeypatch.setattr(layers.host, "bf16_matrix_units", lambda: matrix_units)
+    monkeypatch.setattr(layers.host, "bf16_gemm", lambda: path)
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=g).bfloat16()
     bias = torch.randn(96, generator=g).bfloat16()
     x = torch.randn(rows, 64, generator=g).bfloat16()
     packed = pack_linear_weight(weight)
-    assert (packed.is_mkldnn if matrix_units else packed.shape == (6, 64, 16))
+    shapes = {"pairs": (6, 32, 16, 2), "panels": (6, 64, 16)}
+    assert packed.is_mkldnn if path == "onednn" else packed.shape == shapes[path]
     assert pack_linear_weight(packed) is packed and torch.equal(unpacked(packed), weight)
     expected = (x.double() @ weight.double().T + bias.double())
     got = linear(x, packed, bias).double()
     assert (got - expected).abs().max() <= (expected.abs() * 2**-8).max()   # bf16 output rounding
     torch.testing.assert_close(got, F.linear(x, weight, bias).double(), atol=0.06, rtol=2**-7)
-    if not matrix_units:   # panel_linear computes each row alone: a row count changes no bit
+    if path != "onednn":   # panel_linear computes each row alone: a row count changes no bit
         assert torch.equal(linear(x[-1:], packed, bias), linear(x, packed, bias)[-1:])
 
 

@@ -179,15 +179,17 @@ def test_unverified_positions_do_not_keep_an_optimistic_prior():
 
 
 # ------------------------------------------------------------------ exactness under any schedule
-@pytest.mark.parametrize("max_num_seqs, dtype", [(1, "float32"), (8, "float32"),
-                                                  (8, "bfloat16")])
+@pytest.mark.parametrize("max_num_seqs, dtype, bf16_gemm", [
+    (1, "float32", None), (8, "float32", None), (8, "bfloat16", "panels"),
+    (8, "bfloat16", "pairs")])
 def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seqs, dtype,
-                                                             monkeypatch):
-    """bfloat16 as on a CPU without bf16 matrix units: the GEMMs go through panel_linear, which,
-    like every float32 op, computes a row the same way whatever the rows beside it."""
+                                                             bf16_gemm, monkeypatch):
+    """bfloat16 as on a CPU without bf16 units (column panels) and on one with AVX512-BF16 but
+    no AMX (pair panels): panel_linear, like every float32 op, computes a row the same way
+    whatever the rows beside it."""
     from dflash.models import layers
 
-    monkeypatch.setattr(layers.host, "bf16_matrix_units", lambda: False)
+    monkeypatch.setattr(layers.host, "bf16_gemm", lambda: bf16_gemm)
     target, draft = models
     baseline = LLM(target, dtype=dtype, max_num_seqs=8)
     # mixed lengths: requests join and leave while others run

@@ -40,7 +40,7 @@ MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is co
 REPEATS = 5
 SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
 RETRIES = 2              # ... at most this many times (the fastest time is kept)
-FORMAT = 5               # of the cache files: files of another format are not read
+FORMAT = 6               # of the cache files: files of another format are not read
 CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 
 

@@ -103,31 +103,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def is_panels(weight: torch.Tensor) -> bool:
-    """Whether `weight` is a linear weight in `panel_linear`'s layout [N / 16, K, 16]."""
-    return weight.dim() == 3 and weight.shape[-1] == reference.PANEL
+    """Whether `weight` is a linear weight in one of `panel_linear`'s layouts: column panels
+    [N / 16, K, 16] or pair panels [N / 16, K / 2, 16, 2]."""
+    return (weight.dim() == 3 and weight.shape[-1] == reference.PANEL) or \
+        (weight.dim() == 4 and tuple(weight.shape[-2:]) == (reference.PANEL, 2))
 
 
 def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
     """A CPU weight [N, K] re-laid out for the few rows of decoding, else the weight unchanged.
     Packed weights serve inference only (`linear`), with the same float32 accumulation.
 
-    On CPU, torch's GEMMs are slow for small row counts (1-16 rows per sequence):
-    * bfloat16 on a CPU with bf16 matrix units (`host.bf16_matrix_units`): oneDNN's blocked
-      layout runs 1.4-2.4x faster for any row count (`rows_hint` only tunes the layout) with the
-      same rounding.
-    * float32, and bfloat16 without those units (N a multiple of 16): column panels for
-      `ops.panel_linear`, which streams the weight once per call (float32: ~0.85x MKL's time at
-      1 row, ~0.7x at 16; bf16 weights widened as they load: ~0.65x float32's time at 1-4 rows;
-      bench_panel_linear.py).
+    On CPU, torch's GEMMs are slow for small row counts (1-16 rows per sequence). Float32
+    weights, and bfloat16 ones as `host.bf16_gemm` says, go to:
+    * column panels for `ops.panel_linear` (float32, and bfloat16 on CPUs without bf16 units),
+      which streams the weight once per call (float32: ~0.85x MKL's time at 1 row, ~0.7x at 16;
+      bf16 weights widened as they load: ~0.65x float32's time at 1-4 rows);
+    * pair panels for `ops.panel_linear` (bfloat16 with AVX512-BF16, no AMX; K even): the
+      bf16 dot-product instruction, 0.8-0.95x oneDNN's time from 1 to 64 rows;
+    * oneDNN's blocked layout (bfloat16 with AMX; `rows_hint` only tunes the layout).
+    Both panel layouts compute each row alone, so a row's result does not depend on the rows
+    beside it; oneDNN's may (bench_panel_linear.py).
     """
     if weight.device.type != "cpu" or weight.is_mkldnn or weight.dim() != 2:
         return weight
-    if weight.dtype == torch.bfloat16 and host.bf16_matrix_units():
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return weight
+    path = host.bf16_gemm() if weight.dtype == torch.bfloat16 else "panels"
+    if path == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
-    if weight.dtype in (torch.float32, torch.bfloat16) and \
-            weight.shape[0] % reference.PANEL == 0 and _library.has_kernel("panel_linear"):
-        return ops.to_panels(weight)
-    return weight
+    if weight.shape[0] % reference.PANEL or not _library.has_kernel("panel_linear"):
+        return weight
+    if path == "pairs" and weight.shape[1] % 2 == 0:
+        return ops.to_pair_panels(weight)
+    return ops.to_panels(weight)
 
 
 def unpacked(weight: torch.Tensor) -> torch.Tensor:
