@@ -6,7 +6,10 @@ in the same run: torch's F.linear (MKL) on the [N, K] float32 weights, panel_lin
 weights in column panels, and panel_linear on bf16 weights in panels with bf16 rows (float32
 math, each weight widened as it is loaded: half the bytes to stream); and the float32 bytes
 streamed per second against a plain copy of the same number of bytes (a pass that is bound by
-memory bandwidth runs near 0.5 copy, which moves each byte twice).
+memory bandwidth runs near 0.5 copy, which moves each byte twice). Where the CPU multiplies bf16
+in hardware (oneDNN says so) also: panel_linear on the bf16 weights in pair panels (AVX512-BF16's
+dot products where the CPU has them) and oneDNN's bf16 GEMM on its blocked layout, the two bf16
+paths `host.bf16_gemm` chooses between.
 
     python bench/bench_panel_linear.py [--threads N]   # from the repository root
 """
@@ -31,7 +34,12 @@ LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HI
 
 def one_pass(linear, weights, inputs) -> None:
     for w in weights:
-        linear(inputs[w.shape[1]], w)
+        k = 2 * w.shape[1] if w.dim() == 4 else w.shape[1]   # pair panels: [N/16, K/2, 16, 2]
+        linear(inputs[k], w)
+
+
+def onednn_linear(x, weight):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def main() -> None:
@@ -44,10 +52,14 @@ def main() -> None:
     weights = [torch.randn(shape) for shape in shapes]
     panels = [ops.to_panels(w) for w in weights]
     bf16_panels = [p.bfloat16() for p in panels]
+    bf16_units = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if bf16_units:
+        pairs = [ops.to_pair_panels(w.bfloat16()) for w in weights]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 16) for w in weights]
     nbytes = sum(w.numel() * 4 for w in weights)
     copy = copy_bandwidth(nbytes)
     rows = []
-    for m in (1, 4, 16, 64):
+    for m in (1, 4, 16, 64, 128):
         x = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
         t_torch = timeit(lambda x=x: one_pass(F.linear, weights, x), min_time=1.0)
         t_panel = timeit(lambda x=x: one_pass(ops.panel_linear, panels, x), min_time=1.0)
@@ -58,6 +70,11 @@ def main() -> None:
                      "panel_linear GB/s": nbytes / t_panel / 1e9,
                      "vs copy": nbytes / t_panel / copy,
                      "bf16 panel_linear ms": t_bf16 * 1e3, "bf16 / float32 time": t_bf16 / t_panel})
+        if bf16_units:
+            t_pairs = timeit(lambda x=x16: one_pass(ops.panel_linear, pairs, x), min_time=1.0)
+            t_onednn = timeit(lambda x=x16: one_pass(onednn_linear, onednn, x), min_time=1.0)
+            rows[-1] |= {"bf16 pair panels ms": t_pairs * 1e3, "bf16 oneDNN ms": t_onednn * 1e3,
+                         "pairs / oneDNN time": t_pairs / t_onednn}
     write("panel_linear", rows, list(rows[0]))
 
 
