@@ -12,9 +12,10 @@
 // VDPBF16PS, which multiplies 16 pairs of bf16 weights by a pair of bf16 inputs and adds both
 // products (exact in float32) to 16 float32 sums: per weight element one instruction per row
 // where the column layout needs a widening load and an FMA. On CPUs without that instruction
-// (and in the AVX2 / scalar builds) the same layout runs as two FMAs per pair in the
-// instruction's order (k + 1, then k), so the layout gives the same sums everywhere up to the
-// instruction's flushing of float32 subnormals.
+// (and in the AVX2 / scalar builds) the same layout runs as two FMAs per pair in the order the
+// instruction is documented to add them (k + 1, then k; the instruction also flushes float32
+// subnormals). Whether a CPU's instruction rounds exactly so is not relied on: what decoding needs
+// is that each row goes through the same instructions however many rows a call has.
 //
 // Precision: float32 math (x converted once, bf16 / fp16 weights widened as they are loaded, so
 // they stream at half the bytes), each output one fused multiply-add chain over k in order, plus
