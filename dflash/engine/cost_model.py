@@ -87,8 +87,23 @@ class CostModel:
                         for name in ("target_s", "draft_s", "decode_s", "draft_one_s")
                         if (points := getattr(self, name))}
 
+        self._step_tables: dict[tuple[int, int], tuple] = {}
+
     def _interpolate(self, name: str, x):
         return _interpolate(*self._curves[name], x)
+
+    def step_tables(self, sequences: int, positions: int) -> tuple[float, np.ndarray, np.ndarray]:
+        """What the chooser and the time fit read every step, priced once per batch size:
+        decode(n), extra(n, rows) for rows n .. n * (positions + 1) (index rows - n), and
+        draft(d, longest) for d 0..n and longest 0..positions ([n + 1, positions + 1])."""
+        key = (sequences, positions)
+        if key not in self._step_tables:
+            n, rows = sequences, np.arange(sequences, sequences * (positions + 1) + 1)
+            draft = self.draft(np.arange(n + 1)[:, None], np.arange(positions + 1)[None, :])
+            self._step_tables[key] = (
+                float(self.decode(n)), np.asarray(self.extra(n, rows), dtype=np.float64),
+                np.broadcast_to(np.asarray(draft, dtype=np.float64), (n + 1, positions + 1)))
+        return self._step_tables[key]
 
     def step(self, sequences: int, rows: int, drafting: int, drafts: int | None = None
              ) -> float:

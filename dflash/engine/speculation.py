@@ -79,12 +79,10 @@ def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) ->
     values = np.asarray(cumulative, dtype=np.float64)
     k = values.shape[1]
     totals = np.arange(n, n + n * k + 1)
-    target = np.broadcast_to(np.asarray(target_cost(totals), dtype=np.float64), totals.shape)
+    target = _full(target_cost(totals), totals.shape)
     drafting = np.arange(1, n + 1)
     # draft_cost priced once per (drafting, longest) pair, [n + 1, k + 1], and looked up
-    draft = np.broadcast_to(np.asarray(draft_cost(np.arange(n + 1)[:, None],
-                                                  np.arange(k + 1)[None, :]), dtype=np.float64),
-                            (n + 1, k + 1))
+    draft = _full(draft_cost(np.arange(n + 1)[:, None], np.arange(k + 1)[None, :]), (n + 1, k + 1))
     by_first = np.argsort(-values[:, 0], kind="stable")
     rank = np.empty(n, dtype=np.int64)
     rank[by_first] = np.arange(n)
@@ -113,6 +111,12 @@ def choose_num_drafts(cumulative: list[list[float]], target_cost, draft_cost) ->
     return np.bincount(row[: j + 1][member[d, : j + 1]], minlength=n).tolist()
 
 
+def _full(costs, shape) -> np.ndarray:
+    """costs as a float64 array of `shape` (a cost function may return a scalar)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    return costs if costs.shape == shape else np.broadcast_to(costs, shape)
+
+
 class TimeCorrection:
     """Measured step time ~ a * (its predicted decode part) + b * (its predicted speculation
     part: extra rows and draft), a and b fitted by exponentially weighted least squares with a
@@ -124,19 +128,29 @@ class TimeCorrection:
 
     def __init__(self):
         self.a = self.b = 1.0
-        self._xx = np.zeros((2, 2))
-        self._xy = np.zeros(2)
+        # exponentially weighted moments: x0^2, x0 x1, x1^2, x0 y, x1 y (x the step's two
+        # predicted parts over their sum, y its measured time over that sum); plain floats, as
+        # every step updates them
+        self._xx = [0.0, 0.0, 0.0]
+        self._xy = [0.0, 0.0]
 
     def observe(self, decode: float, speculation: float, seconds: float) -> None:
         scale = decode + speculation   # every step weighs alike, however long
-        x = np.array([decode, speculation]) / scale
-        predicted = self.a * x[0] + self.b * x[1]
+        x0, x1 = decode / scale, speculation / scale
+        predicted = self.a * x0 + self.b * x1
         y = min(max(seconds / scale, predicted / TIME_OUTLIER), predicted * TIME_OUTLIER)
-        self._xx += TIME_ALPHA * (np.outer(x, x) - self._xx)
-        self._xy += TIME_ALPHA * (x * y - self._xy)
-        prior = TIME_RIDGE * (np.diag(self._xx) + 1e-6)
-        a, b = np.linalg.solve(self._xx + np.diag(prior), self._xy + prior)
-        self.a, self.b = (float(np.clip(v, *TIME_LIMITS)) for v in (a, b))
+        xx, xy = self._xx, self._xy
+        for i, v in enumerate((x0 * x0, x0 * x1, x1 * x1)):
+            xx[i] += TIME_ALPHA * (v - xx[i])
+        for i, v in enumerate((x0 * y, x1 * y)):
+            xy[i] += TIME_ALPHA * (v - xy[i])
+        p0, p1 = TIME_RIDGE * (xx[0] + 1e-6), TIME_RIDGE * (xx[2] + 1e-6)
+        # the 2 x 2 ridge system [[xx0 + p0, xx1], [xx1, xx2 + p1]] (a, b) = (xy0 + p0, xy1 + p1)
+        m00, m01, m11 = xx[0] + p0, xx[1], xx[2] + p1
+        r0, r1 = xy[0] + p0, xy[1] + p1
+        det = m00 * m11 - m01 * m01
+        a, b = (r0 * m11 - m01 * r1) / det, (m00 * r1 - m01 * r0) / det
+        self.a, self.b = (min(max(v, TIME_LIMITS[0]), TIME_LIMITS[1]) for v in (a, b))
 
     def as_dict(self) -> dict[str, float]:
         return {"decode": round(self.a, 4), "speculation": round(self.b, 4)}
@@ -156,7 +170,7 @@ class Planner:
     def plan(self, requests) -> list[int]:
         estimates = [self._estimate(r.request_id) for r in requests]
         ks = choose_num_drafts([e.cumulative() for e in estimates],
-                               *step_costs(self.cost_model, len(requests), self.time))
+                               *step_costs(self.cost_model, len(requests), self.time, self.k_max))
         if any(ks):
             self._off_steps = 0
         else:
@@ -178,10 +192,9 @@ class Planner:
 
     def observe_time(self, num_drafts: list[int], seconds: float) -> None:
         """Correct the cost model by a step's measured time."""
-        n, c = len(num_drafts), self.cost_model
-        self.time.observe(float(c.decode(n)), float(c.extra(n, n + sum(num_drafts))) +
-                          c.draft(sum(k > 0 for k in num_drafts), max(num_drafts, default=0)),
-                          seconds)
+        decode, extra, draft = self.cost_model.step_tables(len(num_drafts), self.k_max)
+        self.time.observe(decode, float(extra[sum(num_drafts)] + draft[
+            sum(k > 0 for k in num_drafts), max(num_drafts, default=0)]), seconds)
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -192,12 +205,12 @@ class Planner:
         return self._requests[request_id]
 
 
-def step_costs(cost_model, n: int, time: TimeCorrection):
+def step_costs(cost_model, n: int, time: TimeCorrection, positions: int):
     """The chooser's (target_cost(rows), draft_cost(drafting, longest)) for a step over n
-    sequences, corrected by `time`."""
-    decode = time.a * cost_model.decode(n)
-    return (lambda rows: decode + time.b * cost_model.extra(n, rows),
-            lambda d, longest: time.b * cost_model.draft(d, longest))
+    sequences of up to `positions` drafts each, corrected by `time`."""
+    decode, extra, draft = cost_model.step_tables(n, positions)
+    return (lambda rows: time.a * decode + time.b * extra[np.asarray(rows) - n],
+            lambda d, longest: time.b * draft[d, longest])
 
 
 def step_rate(ks: list[int], cumulative: list[list[float]], cost_model) -> float:
@@ -213,7 +226,8 @@ def expected_rate(cost_model, block_size: int, max_num_seqs: int) -> tuple[float
     rates = []
     for n in (1, max_num_seqs):
         cumulative = [Acceptance([PRIOR] * (block_size - 1)).cumulative()] * n
-        ks = choose_num_drafts(cumulative, *step_costs(cost_model, n, TimeCorrection())) \
+        ks = choose_num_drafts(cumulative, *step_costs(cost_model, n, TimeCorrection(),
+                                                       block_size - 1)) \
             if block_size > 1 else [0] * n
         rates.append(step_rate(ks, cumulative, cost_model))
     return rates[0], rates[1]

@@ -84,6 +84,7 @@ class DFlashDraft(nn.Module):
         # (else the engine takes the target's lm_head rows)
         self.lm_head: torch.Tensor | None = None
         self.packed_kv: list[torch.Tensor] = []   # see pack_weights
+        self.packed_fc: torch.Tensor | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[layers, 2 (K, V), num_blocks, block_size, Hkv, D]."""
@@ -98,7 +99,10 @@ class DFlashDraft(nn.Module):
 
     def pack_weights(self) -> None:
         """Inference only: the block GEMM weights in the fast CPU layout (`pack_linear_weight`).
-        The fused kv_weight stays plain for context_kv; the block path gets packed slices."""
+        The fused kv_weight stays plain for context_kv; the block path gets packed slices, and
+        the context's fc projection runs before context_kv through a packed copy (a few rows a
+        step: there torch's GEMM costs about twice panel_linear's)."""
+        self.packed_fc = pack_linear_weight(self.fc.data)
         for layer in self.layers:
             pack_parameter(layer, "q")
             pack_parameter(layer, "o")
@@ -111,7 +115,10 @@ class DFlashDraft(nn.Module):
                       validate: bool = True) -> None:
         """Append committed tokens' context K/V (features [N, n_aux * H_t]) to the draft cache.
         validate=False: positions and slots come from a checked plan (`AttentionMetadata`)."""
-        ops.context_kv(features, self.fc, self.hidden_norm, self.kv_weight, self.kv_bias,
+        fc = self.fc
+        if self.packed_fc is not None:
+            features, fc = linear(features, self.packed_fc), None
+        ops.context_kv(features, fc, self.hidden_norm, self.kv_weight, self.kv_bias,
                        self.k_norm, positions, self.cos_sin, slot_mapping,
                        list(kv_cache[:, 0]), list(kv_cache[:, 1]), self.cfg.attn.rms_norm_eps,
                        validate)

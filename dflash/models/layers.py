@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import _library, host, ops, reference
@@ -42,31 +43,33 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     if not len(block_tables) == len(starts) == len(lengths):
         raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(starts)} starts "
                          f"and {len(lengths)} lengths; need one of each per sequence")
+    # host arithmetic in numpy: a step builds this twice, and each torch call on tensors this
+    # small costs several times a numpy one
     width = max(len(t) for t in block_tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-    starts_t, lengths_t = torch.tensor(starts), torch.tensor(lengths)
-    ends = starts_t + lengths_t
-    used = -(-ends // kv_block_size)   # blocks each sequence reads or writes
-    for b in torch.nonzero((starts_t < 0) | (lengths_t < 0) |
-                           (used > torch.tensor([len(t) for t in block_tables]))).flatten():
-        b = int(b)
+    table = np.zeros((len(block_tables), width), dtype=np.int64)
+    for b, t in enumerate(block_tables):
+        table[b, :len(t)] = t
+    starts_n, lengths_n = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    used = -(-(starts_n + lengths_n) // kv_block_size)   # blocks each sequence reads or writes
+    sizes = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=len(block_tables))
+    for b in np.flatnonzero((starts_n < 0) | (lengths_n < 0) | (used > sizes)):
         raise ValueError(f"build_metadata: sequence {b} (start {starts[b]}, {lengths[b]} new "
                          f"tokens) needs start, length >= 0 and {int(used[b])} cache blocks; its "
                          f"block table has {len(block_tables[b])}")
     if num_blocks is not None:
-        in_use = torch.arange(width)[None] < used[:, None]
-        bad = torch.nonzero(in_use & ((table < 0) | (table >= num_blocks)))
+        in_use = np.arange(width)[None] < used[:, None]
+        bad = np.argwhere(in_use & ((table < 0) | (table >= num_blocks)))
         if len(bad):
             b, i = (int(x) for x in bad[0])
             raise ValueError(f"build_metadata: block_tables[{b}][{i}] = {int(table[b, i])} is out "
                              f"of range for {num_blocks} cache blocks")
-    cu = torch.zeros(len(block_tables) + 1, dtype=torch.int64)
-    cu[1:] = lengths_t.cumsum(0)
-    seq = torch.repeat_interleave(torch.arange(len(block_tables)), lengths_t)
-    positions = torch.arange(int(cu[-1])) - cu[seq] + starts_t[seq]
+    cu = np.zeros(len(block_tables) + 1, dtype=np.int64)
+    cu[1:] = np.cumsum(lengths_n)
+    seq = np.repeat(np.arange(len(block_tables)), lengths_n)
+    positions = np.arange(cu[-1]) - cu[seq] + starts_n[seq]
     slots = table[seq, positions // kv_block_size] * kv_block_size + positions % kv_block_size
-    parts = (positions, slots, table.flatten(), starts_t, cu)
-    flat = torch.cat(parts).to(device)   # the one upload
+    parts = (positions, slots, table.ravel(), starts_n, cu)
+    flat = torch.from_numpy(np.concatenate(parts)).to(device)   # the one upload
     positions, slots, table_d, starts_d, cu_d = flat.split([len(p) for p in parts])
     return AttentionMetadata(positions=positions, slot_mapping=slots,
                              block_table=table_d.view(table.shape).to(torch.int32),
