@@ -157,11 +157,12 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{Path(dataset).stem}"
+    info = host.describe()
     (out / f"{stem}.json").write_text(json.dumps(
-        {"host": host.describe(), "dtype": dtype, "temperature": temperature,
+        {"host": info, "dtype": dtype, "temperature": temperature,
          "max_tokens": max_tokens, "block_size": block_size, "engines": engines, "rows": rows},
         indent=1))
-    plot(rows, out / f"{stem}.png")
+    plot(rows, out / f"{stem}.png", host.summary(info))
     _print_table(rows)
     return rows
 
@@ -211,10 +212,11 @@ def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
     return {**flat, "modes": m}
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, host_line: str) -> None:
     """Acceptance per draft position and accepted lengths (of fixed blocks if measured: with
     adaptive lengths the later positions are verified less often), and the verify lengths the
-    adaptive engine chose."""
+    adaptive engine chose; the title names the host (`host.summary`) and each concurrency's
+    speedup."""
     from ._optional import pyplot
 
     plt = pyplot("bench", "the benchmark's acceptance plot")
@@ -225,7 +227,8 @@ def plot(rows: list[dict], path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     width = 0.8 / len(rows)
     for k, row in enumerate(rows):
-        m, label = row["modes"][blocks], f"concurrency {row['concurrency']}"
+        m = row["modes"][blocks]
+        label = f"concurrency {row['concurrency']}: {row['speedup']:.2f}x"
         drafts = max(m["num_drafts"], 1)
         rate = [n / drafts for n in m["accepted_per_position"]]
         axes[0].plot(range(1, len(rate) + 1), rate, marker="o", label=label)
@@ -246,7 +249,9 @@ def plot(rows: list[dict], path) -> None:
                     ylabel="fraction of request-steps", title="verify lengths chosen (adaptive)")
     for ax in axes:
         ax.legend()
-    fig.suptitle(f"{rows[0]['target']} + {rows[0]['draft']} on {rows[0]['dataset']}")
+    first = "adaptive" if "adaptive" in modes else blocks
+    fig.suptitle(f"{rows[0]['target']} + {rows[0]['draft']} on {rows[0]['dataset']}; "
+                 f"{first} vs target-only in the legends\n{host_line}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

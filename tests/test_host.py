@@ -17,6 +17,8 @@ def test_flags_and_model_match_lscpu(monkeypatch):
     flags = set(fields["Flags"].split())
     info = host.describe()
     assert info["cpu"] == fields["Model name"].strip()
+    assert info["cpu_family"] == \
+        f"family {fields['CPU family'].strip()} model {fields['Model'].strip()}"
     assert {f: info[f] for f in host.FLAGS} == {f: f in flags for f in host.FLAGS}
     assert info["onednn_max_cpu_isa"] == "AVX512_CORE"
     line = host.summary(info)
@@ -35,6 +37,6 @@ def test_flags_and_model_match_lscpu(monkeypatch):
     ({"avx512f", "avx2"}, "", "panels"),                     # none to hide
 ])
 def test_bf16_gemm_follows_the_flags_and_onednns_limit(monkeypatch, flags, limit, expected):
-    monkeypatch.setattr(host, "_cpuinfo", lambda: ("a CPU", frozenset(flags)))
+    monkeypatch.setattr(host, "_cpuinfo", lambda: ("a CPU", "", frozenset(flags)))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
     assert host.bf16_gemm() == expected
