@@ -382,10 +382,9 @@ def test_held_back_draft_context_gives_the_draft_what_an_immediate_write_gives(
     assert max(flushed) >= 2   # rows were held back and written late
 
 
-def test_the_draft_runs_over_blocks_as_long_as_the_longest_verify(models):
-    """A step whose sequences verify at most k drafts runs the draft over blocks [pending,
-    MASK * k] and proposes k per sequence: the argmax of every mask row of the draft's whole
-    forward over those blocks (float32), whose last layer the engine runs on the mask rows only."""
+def test_the_draft_head_runs_only_for_drafts_that_can_be_verified(models):
+    """A step whose sequences verify at most k drafts proposes k per sequence: the first k of
+    the full block's drafts (float32), whatever the draft's head does with the rest."""
     target, draft = models
     llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation="fixed")
     requests = [llm._request(p, SamplingParams()) for p in PROMPTS[:3]]
@@ -394,13 +393,6 @@ def test_the_draft_runs_over_blocks_as_long_as_the_longest_verify(models):
     for r, t in zip(requests, llm.worker.prefill(requests)):
         r.append([t])
     worker = llm.worker
-    for k in (B - 1, 2, 1):
-        inputs = worker.prepare_query_inputs(requests, k)
-        assert inputs.block_size == k + 1
-        drafts, _ = worker.run_decode_draft(inputs)
-        with torch.inference_mode():
-            hidden = worker.draft(worker.target.embed_tokens(inputs.tokens), inputs.meta,
-                                  worker.draft_cache)
-            logits = worker.target.logits(hidden).view(3, k + 1, -1)
-        assert drafts.shape == (3, k)
-        assert torch.equal(drafts, logits[:, 1:].argmax(-1))
+    full, _ = worker.run_decode_draft(worker.prepare_query_inputs(requests))
+    few, _ = worker.run_decode_draft(worker.prepare_query_inputs(requests, 2))
+    assert full.shape == (3, B - 1) and torch.equal(few, full[:, :2])

@@ -2,9 +2,9 @@
 
 A decode step for a batch of sequences, each with `n` cached tokens, a pending last token and a
 verify length k (0..B-1, chosen by the scheduler):
-  prepare_query_inputs  block [pending, MASK * K] at positions n .. n+K for every sequence with
-                        k > 0, K = max(k) the step's longest verify
-  run_decode_draft      one non-causal draft forward -> K draft tokens per such sequence
+  prepare_query_inputs  block [pending, MASK * (B-1)] at positions n .. n+B-1 for every sequence
+                        with k > 0
+  run_decode_draft      one non-causal draft forward -> max(k) draft tokens per such sequence
   run_validate          one causal target forward over [pending, first k drafts] of every
                         sequence (a ragged batch) + rejection sampling
   write_context_kv      the committed rows' target features -> the draft's context cache (held
@@ -36,9 +36,9 @@ from .step import decode_step, draft_logits, greedy_drafts
 @dataclass
 class StepInputs:
     requests: list[Request]
-    tokens: torch.Tensor          # [Bs * block_size] block tokens (pending, then masks)
+    tokens: torch.Tensor          # [Bs * B] block tokens (pending token, then masks)
     meta: AttentionMetadata       # positions / slots / tables shared by draft and target
-    block_size: int               # rows per block: num_drafts + 1
+    block_size: int
     num_drafts: int               # the most drafts any of these sequences verifies (<= B-1)
 
 
@@ -117,19 +117,17 @@ class Worker:
     # --------------------------------------------------------------------------- the step
     def prepare_query_inputs(self, requests: list[Request], num_drafts: int | None = None
                              ) -> StepInputs:
-        """The draft's block for each request: [pending, MASK * K] at its next positions, one
-        mask per draft to make (K = num_drafts, default B-1). A block shorter than the draft was
-        trained on costs some acceptance (measured on the bundled pair: 2-3% of tau at K = 1..3,
-        6% at K = 7) but its forward costs K + 1 rows instead of B, which saves more than that
-        where only a few drafts per sequence are worth verifying (larger batches)."""
-        b = self.block_size if num_drafts is None else num_drafts + 1
+        """The draft's block for each request: [pending, MASK * (B-1)] at its next positions;
+        drafts are made for the first `num_drafts` (default B-1) of the masks."""
+        b = self.block_size
         tokens = torch.full((len(requests), b), -1 if self.mask_token_id is None
                             else self.mask_token_id, device=self.device)
         tokens[:, 0] = self._pending(requests)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
                               [b] * len(requests), self.kv_block_size, self.device,
                               self.num_kv_blocks)
-        return StepInputs(requests, tokens.flatten(), meta, b, b - 1)
+        return StepInputs(requests, tokens.flatten(), meta, b,
+                          b - 1 if num_drafts is None else num_drafts)
 
     @torch.inference_mode()
     def run_decode_draft(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -328,10 +326,10 @@ class Worker:
         each total row count in `rows_grid`, packed B rows to a sequence, with `context` cached
         tokens each; and for each sequence count in `seqs_grid`, of one draft step making B-1
         drafts a sequence, of one pass with one row per sequence (only with B > 1: for B = 1
-        that is the first measurement) and of one draft step making one draft a sequence (over
-        blocks of two rows; only with B > 2). `tables`: free block tables, each holding context
-        + B tokens, at least max(rows_grid) / B (rounded up) and max(seqs_grid) of them. Caches
-        are written only inside those blocks."""
+        that is the first measurement) and of one draft step making one draft a sequence (only
+        with B > 2). `tables`: free block tables, each holding context + B tokens, at least
+        max(rows_grid) / B (rounded up) and max(seqs_grid) of them. Caches are written only
+        inside those blocks."""
         b = self.block_size
         requests = []
         for table in tables:
