@@ -17,9 +17,8 @@ beyond the grid: GEMMs are linear in rows once they are compute bound).
 
 The measurements are cached as JSON under `dflash.assets.cache_dir() / "calibration"`, keyed by
 the host (CPU model, family and model numbers, flags, ONEDNN_MAX_CPU_ISA, threads, torch), the
-checkpoints (paths, sizes, modification times), the dtype and the shapes that
-matter; `recalibrate=True` measures again. A cache file that cannot be read is ignored with a
-warning.
+checkpoints (paths, sizes, modification times), the dtype and the shapes that matter;
+`recalibrate=True` measures again. A cache file that cannot be read is ignored with a warning.
 """
 
 from __future__ import annotations
