@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -45,11 +46,13 @@ def _stream(llm, prompt_count: int):
     tokens: list[int] = []
     printed = [0]
 
+    from .engine.detokenizer import decode
+
     def on_tokens(index: int, new: list[int]) -> None:
         if index != 0 or prompt_count != 1 or llm.tokenizer is None:
             return
         tokens.extend(new)
-        text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = decode(llm.tokenizer, tokens)
         sys.stdout.write(text[printed[0]:])
         sys.stdout.flush()
         printed[0] = len(text)
@@ -206,11 +209,13 @@ def _serve(args: argparse.Namespace) -> int:
         print("dflash serve: the target has no tokenizer", file=sys.stderr)
         return 2
     with llm:
-        Server(llm, args.served_model_name or _target_name(args.target), host=args.host,
-               port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-               grace_period=args.grace_period, root=str(target),
-               log_level=args.log_level).run()
-    return 0
+        return Server(llm, args.served_model_name or _target_name(args.target), host=args.host,
+                      port=args.port, grace_period=args.grace_period, root=str(target),
+                      log_level=args.log_level, api_key=args.api_key, max_queue=args.max_queue,
+                      max_request_bytes=args.max_request_bytes,
+                      stream_timeout=args.stream_timeout,
+                      trust_request_chat_template=args.trust_request_chat_template,
+                      allowed_hosts=tuple(args.allowed_hosts)).run()
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -319,8 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt + output (default min(4096, the target's))")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the target's name)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: the "
+                        "DFLASH_API_KEY environment variable, which unlike this flag does not "
+                        "show in ps; none if unset)")
+    p.add_argument("--allowed-hosts", nargs="*", default=[],
+                   help="without an API key, Host header names served besides IP addresses and "
+                        "localhost (against DNS rebinding); '*' allows any")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                   help="larger request bodies get 413 (default 4 MiB)")
+    p.add_argument("--stream-timeout", type=float, default=30.0,
+                   help="seconds a stream may wait for a client that does not read before the "
+                        "request is aborted and the connection closed (default 30)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests supply their own chat template (rendered with the "
+                        "server's resources: trusted clients only)")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds SIGTERM / Ctrl-C lets running requests finish before they "
                         "are aborted")

@@ -7,6 +7,7 @@ import sys
 
 from . import assets, host
 from .engine import LLM
+from .engine.detokenizer import decode
 from .sampling import SamplingParams
 
 QUESTIONS = [
@@ -45,7 +46,7 @@ def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive
 
         def stream(_, new, tokens=tokens, printed=printed):
             tokens.extend(new)
-            text = spec.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = decode(spec.tokenizer, tokens)
             out.write(text[printed[0]:])
             out.flush()
             printed[0] = len(text)

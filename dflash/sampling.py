@@ -20,13 +20,27 @@ import torch
 
 from . import noise, ops
 
+GREEDY_TEMPERATURE = 1e-5
+
+
+class ParamError(ValueError):
+    """A sampling parameter that cannot be honoured; `param` names it (the server's 400 reports
+    it as the error's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
 
 @dataclass
 class SamplingParams:
     """How one request picks tokens.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
-    top_k: keep the k most likely tokens (ties at the k-th logit are all kept); 0 disables.
+    temperature: below GREEDY_TEMPERATURE (including 0) means greedy (argmax): dividing float32
+    logits by a smaller one overflows or underflows, and the softmax is one-hot anyway.
+    Otherwise logits are divided by it before softmax.
+    top_k: keep the k most likely tokens (ties at the k-th logit are all kept); 0 disables, and
+    a k beyond the vocabulary keeps every token.
     top_p: keep the smallest most-likely set whose probability reaches top_p; 1 disables.
     max_tokens: generation budget (new tokens). stop_token_ids: extra tokens that end the request.
     stop: strings that end the request when they appear in the output text (found across token
@@ -47,29 +61,34 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), "
-                             f"got {self.temperature!r}")
+            raise ParamError("temperature", f"temperature must be a finite number >= 0 "
+                             f"(0 = greedy), got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+            raise ParamError("top_k", f"top_k must be an integer >= 0 (0 = disabled), "
+                             f"got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
+            raise ParamError("top_p", f"top_p must be in (0, 1] (1 = disabled), "
+                             f"got {self.top_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ParamError("max_tokens", f"max_tokens must be an integer >= 1, "
+                             f"got {self.max_tokens!r}")
         bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
         if bad:
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {bad[0]!r}")
+            raise ParamError("stop_token_ids", f"stop_token_ids must be non-negative integers, "
+                             f"got {bad[0]!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, "
+            raise ParamError("stop", f"stop must be a string or a list of non-empty strings, "
                              f"got {self.stop!r}")
         self.stop = stop
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+            raise ParamError("seed", f"seed must be None or an integer in [0, 2**64), "
+                             f"got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_int(x) -> bool:
@@ -101,7 +120,9 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     if sampling:
         col = lambda xs: torch.tensor(xs, device=logits.device)[:, None, None]  # noqa: E731
         x = logits[~greedy].float() / col([p.temperature for p in sampling]).float()
-        x = _top_k_top_p(x, col([p.top_k for p in sampling]), col([p.top_p for p in sampling]))
+        # a k past the vocabulary keeps every token (and would overflow an int64 tensor)
+        top_k = col([min(p.top_k, logits.shape[-1]) for p in sampling])
+        x = _top_k_top_p(x, top_k, col([p.top_p for p in sampling]))
         out[~greedy] = torch.softmax(x, dim=-1)
     return out
 

@@ -210,7 +210,7 @@ class CharTokenizer:
     def encode(self, text, add_special_tokens=False):
         return [1 + ord(c) % 90 for c in text]
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(chr(33 + i % 90) for i in ids)
 
 

@@ -406,3 +406,21 @@ def test_sample_seeded_rows_are_reproducible():
     draw = lambda: sampling.sample(probs, torch.zeros(4, dtype=torch.bool),  # noqa: E731
                                    range(4), [0] * 4)
     assert torch.equal(draw(), draw())
+
+
+def test_tiny_temperatures_are_greedy_and_huge_top_k_keeps_every_token():
+    """Edge values a client can send: a temperature that over- or underflows float32 logits is
+    greedy (one-hot at the argmax, not NaN), and a top_k past the vocabulary (even past int64)
+    keeps every token."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 3, 50)
+    for t in (1e-45, 5e-324, 1e-6):
+        p = sampling.target_probs(logits, [SamplingParams(temperature=t)])
+        assert SamplingParams(temperature=t).is_greedy
+        assert torch.equal(p, sampling.one_hot_argmax(logits))
+    assert not SamplingParams(temperature=1e-4).is_greedy
+    for k in (50, 51, 2**63, 2**80):
+        p = sampling.target_probs(logits, [SamplingParams(temperature=0.7, top_k=k)])
+        assert torch.equal(p, sampling.target_probs(logits, [SamplingParams(temperature=0.7)]))
+    p = sampling.target_probs(logits, [SamplingParams(temperature=0.7, top_k=2**63, top_p=0.5)])
+    assert torch.isfinite(p).all()

@@ -351,7 +351,7 @@ def test_clients_that_disconnect_mid_stream_are_aborted(server, offline):
     deadline = time.time() + 10
     while len(engine.aborts) < aborted_before + 8 and time.time() < deadline:
         time.sleep(0.02)
-    aborts = engine.aborts[aborted_before:]
+    aborts = list(engine.aborts)[aborted_before:]
     assert len(aborts) == 8
     assert all(freed - requested <= 1 for requested, freed in aborts)   # within one step
     _wait_idle(server)

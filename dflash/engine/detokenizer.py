@@ -1,5 +1,10 @@
 """Incremental detokenization and stop strings (docs/design.md 4.5).
 
+A request's text is `decode(tokenizer, output ids)`: the tokenizer's decode without special
+tokens and without Hugging Face's `clean_up_tokenization_spaces`, a heuristic that rewrites the
+model's output (" '" -> "'", " ," -> ",", " n't" -> "n't") and, applied to a window of tokens,
+would not even agree with itself from one window to the next (vLLM decodes without it too).
+
 Text is produced token by token, as streaming needs it, and is always what decoding the whole
 output at once gives:
 
@@ -12,14 +17,25 @@ output at once gives:
   does in the full decode).
 - Stop strings are searched in the text after every token, so one that spans token boundaries,
   or completes in the middle of an accepted block, is found at the token that completes it. The
-  text is cut before the match (vLLM's behaviour without `include_stop_str_in_output`).
+  text is cut before the match (vLLM's behaviour without `include_stop_str_in_output`). One
+  regular expression of all of them scans only the tail where a new match can start, so the
+  cost per token does not grow with the number of stop strings; the earliest match wins (on a
+  tie, the string first in sorted order).
 - Streamed deltas hold back the last `len(longest stop string) - 1` characters until the request
   finishes, since they may be the start of a match: the concatenated deltas equal the final text.
 """
 
 from __future__ import annotations
 
+import re
+
 REPLACEMENT = "\ufffd"
+
+
+def decode(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of `ids` as dflash reports it (see the module docstring)."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
@@ -35,9 +51,11 @@ class IncrementalDetokenizer:
         self._read = 0
         self._sent = 0                 # characters of `text` handed out by take_delta()
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._pattern = re.compile("|".join(map(re.escape, sorted(set(self.stop))))) \
+            if self.stop else None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return decode(self.tokenizer, ids, self.skip_special_tokens)
 
     def add(self, token: int) -> bool:
         """Append one token; True when it completes a stop string (the text is then cut)."""
@@ -54,13 +72,11 @@ class IncrementalDetokenizer:
     def _append(self, new: str) -> bool:
         start = max(0, len(self.text) - self._hold)
         self.text += new
-        if not self.stop:
+        match = None if self._pattern is None else self._pattern.search(self.text, start)
+        if match is None:
             return False
-        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
-        if not found:
-            return False
-        index, self.stop_reason = min(found)
-        self.text = self.text[:index]
+        self.stop_reason = match.group()
+        self.text = self.text[:match.start()]
         self.finished = True
         return True
 

@@ -136,8 +136,7 @@ class LLMEngine:
         admitted_any = bool(admitted)
         if admitted:
             ok, _, first = self._call(lambda rs, ks: llm.worker.prefill(rs), admitted)
-            for r, token in zip(ok, first):
-                self._commit(r, [token])
+            self._commit_each(ok, [[token] for token in first])
             self.running += admitted   # the ones that failed are finished: retired below
             touched += admitted
             self._admitting = admitted = []
@@ -156,8 +155,7 @@ class LLMEngine:
         if ok:
             llm._record(ok, ks, [accepted for _, accepted in results],
                         time.perf_counter() - step_start)
-        for r, (tokens, _) in zip(ok, results):
-            self._commit(r, tokens)
+        self._commit_each(ok, [tokens for tokens, _ in results])
         self._retire()
         self.num_steps += 1
 
@@ -185,6 +183,17 @@ class LLMEngine:
             results.append(result[0])
         return ok, ok_ks, results
 
+    def _commit_each(self, requests: list[Request], token_lists: list[list[int]]) -> None:
+        """Commit each request's tokens; with isolate_errors, a request whose commit raises
+        (its detokenizer, its stop strings, on_tokens) fails alone."""
+        for r, tokens in zip(requests, token_lists):
+            try:
+                self._commit(r, tokens)
+            except Exception as error:
+                if not self.isolate_errors:
+                    raise
+                self._fail(r, error)
+
     def _commit(self, r: Request, tokens: list[int]) -> None:
         before = len(r.output_ids)
         r.append(tokens)
@@ -197,7 +206,7 @@ class LLMEngine:
         r.error = f"{type(error).__name__}: {error}"
         print(f"dflash: request {r.request_id} failed:\n"
               + "".join(traceback.format_exception(error)), file=sys.stderr, flush=True)
-        r.finish("error")
+        r.finish("error", flush=False)   # its detokenizer may be what failed
 
     def _retire(self) -> None:
         for r in self.running:
@@ -211,7 +220,7 @@ class LLMEngine:
             llm.planner.forget(r.request_id)
         llm.allocator.free(r.block_table)
         if count:
-            llm._totals.append(r.metrics)
+            llm.totals.add(r.metrics)
 
     def _report(self, r: Request) -> StepOutput:
         start = self._reported.get(r.request_id, 0)

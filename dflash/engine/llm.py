@@ -14,9 +14,9 @@ from ..sampling import SamplingParams
 from . import cost_model, distributed
 from .cache import BlockAllocator
 from .cost_model import CostModel
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, decode
 from .engine import LLMEngine
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, Totals
 from .speculation import Planner, expected_rate
 from .worker import Worker
 
@@ -305,29 +305,22 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         text = r.detok.text if r.detok is not None else None if self.tokenizer is None else \
-            self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            decode(self.tokenizer, r.output_ids)
         return RequestOutput(r.request_id, r.prompt_ids, r.output_ids, text, r.finish_reason,
                              r.metrics, r.stop_reason, r.error)
 
     # ---------------------------------------------------------------------------- metrics
     def metrics(self) -> dict:
         """Totals over every request generated so far."""
-        m = self._totals
-        drafts = sum(x.num_drafts for x in m)
-        accepted = sum(x.num_accepted_tokens for x in m)
-        per_position = [0] * (self.block_size - 1)
-        for x in m:
-            for i, n in enumerate(x.accepted_per_position):
-                per_position[i] += n
-        tau = 1 + accepted / drafts if drafts else 1.0
-        generated = sum(x.generated_tokens for x in m)
-        ttft = [x.time_to_first_token for x in m if x.time_to_first_token is not None]
-        tpot = [x.time_per_output_token for x in m if x.time_per_output_token is not None]
+        t = self.totals
+        per_position = (t.accepted_per_position + [0] * self.block_size)[:self.block_size - 1]
+        tau = 1 + t.num_accepted_tokens / t.num_drafts if t.num_drafts else 1.0
+        generated = t.generated_tokens
         return {
-            "requests": len(m),
-            "num_drafts": drafts,
-            "num_draft_tokens": sum(x.num_draft_tokens for x in m),
-            "num_accepted_tokens": accepted,
+            "requests": t.requests,
+            "num_drafts": t.num_drafts,
+            "num_draft_tokens": t.num_draft_tokens,
+            "num_accepted_tokens": t.num_accepted_tokens,
             "accepted_per_position": per_position,
             "mean_acceptance_length": tau,
             "draft_acceptance_rate": (tau - 1) / (self.block_size - 1) if self.block_size > 1
@@ -335,8 +328,8 @@ class LLM:
             "generated_tokens": generated,
             "elapsed_s": self._elapsed,
             "throughput_tok_s": generated / self._elapsed if self._elapsed else 0.0,
-            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
-            "mean_tpot_s": sum(tpot) / len(tpot) if tpot else None,
+            "mean_ttft_s": t.ttft_sum / t.ttft_count if t.ttft_count else None,
+            "mean_tpot_s": t.tpot_sum / t.tpot_count if t.tpot_count else None,
             "dtype": _dtype_name(self.dtype),
             "speculation": "none" if self.block_size == 1 else
             "adaptive" if self.planner is not None else "fixed",
@@ -352,7 +345,7 @@ class LLM:
         }
 
     def reset_metrics(self) -> None:
-        self._totals, self._elapsed = [], 0.0
+        self.totals, self._elapsed = Totals(), 0.0
         self._steps = self._draft_skipped = 0
         self._verify_lengths = [0] * self.block_size
 

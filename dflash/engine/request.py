@@ -48,6 +48,34 @@ class RequestMetrics:
             self.accepted_per_position[i] += 1
 
 
+class Totals:
+    """Running sums of finished requests' metrics: constant memory however long a server runs."""
+
+    def __init__(self):
+        self.requests = self.num_drafts = self.num_draft_tokens = 0
+        self.num_accepted_tokens = self.generated_tokens = 0
+        self.accepted_per_position: list[int] = []
+        self.ttft_sum = self.tpot_sum = 0.0
+        self.ttft_count = self.tpot_count = 0
+
+    def add(self, m: RequestMetrics) -> None:
+        self.requests += 1
+        self.num_drafts += m.num_drafts
+        self.num_draft_tokens += m.num_draft_tokens
+        self.num_accepted_tokens += m.num_accepted_tokens
+        self.generated_tokens += m.generated_tokens
+        per_position = self.accepted_per_position
+        per_position += [0] * (len(m.accepted_per_position) - len(per_position))
+        for i, n in enumerate(m.accepted_per_position):
+            per_position[i] += n
+        if m.time_to_first_token is not None:
+            self.ttft_sum += m.time_to_first_token
+            self.ttft_count += 1
+        if m.time_per_output_token is not None:
+            self.tpot_sum += m.time_per_output_token
+            self.tpot_count += 1
+
+
 @dataclass
 class RequestOutput:
     request_id: int
@@ -110,9 +138,10 @@ class Request:
                 break
         self.metrics.generated_tokens = len(self.output_ids)
 
-    def finish(self, reason: str) -> None:
-        """End the request (the detokenizer flushes; the finish time is recorded)."""
+    def finish(self, reason: str, flush: bool = True) -> None:
+        """End the request (the detokenizer flushes unless told not to; the finish time is
+        recorded)."""
         self.finish_reason = reason
-        if self.detok is not None:
+        if self.detok is not None and flush:
             self.detok.finish()
         self.metrics.finish_time = time.perf_counter()

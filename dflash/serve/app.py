@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -24,108 +26,46 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..sampling import SamplingParams
-from . import protocol as P
+from . import protocol, serving
+from .errors import ApiError, error_body, error_response
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .runner import EngineThread, Handle
+from .security import ApiKeyMiddleware, BodyLimitMiddleware, HostMiddleware
+from .serving import Options
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               404: "not_found_error", 405: "invalid_request_error", 500: "server_error",
-               503: "server_busy"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code, self.headers = code, headers
-
-
-def error_body(status: int, message: str, param: str | None = None,
-               code: str | int | None = None) -> dict:
-    return P.ErrorResponse(error=P.ErrorInfo(
-        message=message, type=ERROR_TYPES.get(status, "invalid_request_error"), param=param,
-        code=code if code is not None else status)).model_dump()
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status,
-                        headers=headers)
+logger = logging.getLogger("dflash.serve")
 
 
 @dataclass
 class ServerState:
     llm: object
     model_name: str
-    api_key: str | None = None
-    max_queue: int = 256
+    options: Options = field(default_factory=Options)
     root: str = ""
     engine: EngineThread | None = None
     metrics: ServerMetrics | None = None
-    in_flight: int = 0
+    in_flight: int = 0     # requests holding a slot: admitted, until the engine is done with them
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # encoding and template rendering, off the event loop
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        2, thread_name_prefix="dflash-encode"))
 
+    def reserve(self) -> None:
+        """Take a request slot, or raise 503 (before any work is spent on the request)."""
+        if self.draining or not self.engine.alive():
+            raise ApiError(503, "the server is shutting down" if self.draining else
+                           "the engine thread is not running", headers={"Retry-After": "1"})
+        limit = self.llm.max_num_seqs + self.options.max_queue
+        if self.in_flight >= limit:
+            raise ApiError(503, f"the server is busy: {self.in_flight} requests in flight "
+                                f"(max_num_seqs {self.llm.max_num_seqs} + max_queue "
+                                f"{self.options.max_queue}); retry later",
+                           headers={"Retry-After": "1"})
+        self.in_flight += 1
 
-class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/* when the server has an API key (as vLLM: /health,
-    /version and /metrics stay open)."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or \
-                scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if given != f"Bearer {self.key}":
-            response = error_response(401, "invalid API key: send 'Authorization: Bearer <key>' "
-                                           "with the key the server was started with",
-                                      code="invalid_api_key")
-            return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-# ---------------------------------------------------------------------- request -> engine
-
-def _params(req: P._SamplingFields, max_tokens: int | None, default_max_tokens: int
-            ) -> SamplingParams:
-    if req.n != 1:
-        raise ApiError(400, f"n={req.n} is not supported: dflash returns one choice per request "
-                            "(use n=1)", "n")
-    if req.best_of not in (None, 1):
-        raise ApiError(400, "best_of is not supported (use best_of=1)", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise ApiError(400, f"{name} is not supported (only 0)", name)
-    if req.repetition_penalty not in (None, 1):
-        raise ApiError(400, "repetition_penalty is not supported (only 1)", "repetition_penalty")
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if temperature < 0:
-        raise ApiError(400, f"temperature must be >= 0 (0 = greedy), got {temperature}",
-                       "temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = 0 if req.top_k in (None, -1) else req.top_k
-    if top_k < 0:
-        raise ApiError(400, f"top_k must be -1 or 0 (disabled) or a positive integer, got "
-                            f"{req.top_k}", "top_k")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise ApiError(400, "stop strings must not be empty", "stop")
-    try:
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                              max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                              seed=req.seed, stop=stop, ignore_eos=req.ignore_eos,
-                              stop_token_ids=req.stop_token_ids or ())
-    except ValueError as e:
-        raise ApiError(400, str(e), str(e).split()[0]) from None
+    def release(self) -> None:
+        self.in_flight -= 1
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -134,108 +74,49 @@ def _check_model(state: ServerState, model: str | None) -> None:
                             f"'{state.model_name}'", "model", "model_not_found")
 
 
-def _check_length(state: ServerState, ids: list[int], param: str) -> None:
-    llm = state.llm
-    if not ids:
-        raise ApiError(400, f"{param} must not be empty", param)
-    if len(ids) + llm.block_size > llm.max_model_len:
-        what = "prompt" if param == "prompt" else "prompt built from the messages"
-        raise ApiError(400, f"the {what} has {len(ids)} tokens; with one block of "
-                            f"{llm.block_size} it exceeds this model's max_model_len "
-                            f"({llm.max_model_len} tokens)", param, "context_length_exceeded")
+def _spec_info(metrics) -> protocol.SpeculativeInfo:
+    return protocol.SpeculativeInfo(
+        num_drafts=metrics.num_drafts,
+        num_draft_tokens=metrics.num_draft_tokens,
+        num_accepted_tokens=metrics.num_accepted_tokens,
+        accepted_per_position=list(metrics.accepted_per_position),
+        mean_acceptance_length=metrics.mean_acceptance_length)
 
 
-def _completion_prompt(state: ServerState, req: P.CompletionRequest) -> list[int]:
-    if req.echo:
-        raise ApiError(400, "echo is not supported", "echo")
-    if req.suffix:
-        raise ApiError(400, "suffix is not supported", "suffix")
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported", "logprobs")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, f"one prompt per request is supported, got {len(prompt)}",
-                           "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if state.llm.tokenizer is None:
-            raise ApiError(400, "this server has no tokenizer: send prompts as token ids",
-                           "prompt")
-        ids = state.llm.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-    else:
-        ids = list(prompt)
-        vocab = state.llm.target.cfg.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-    _check_length(state, ids, "prompt")
-    return ids
-
-
-def _chat_prompt(state: ServerState, req: P.ChatCompletionRequest) -> list[int]:
-    if req.logprobs or req.top_logprobs:
-        raise ApiError(400, "logprobs are not supported", "logprobs")
-    if not req.messages:
-        raise ApiError(400, "messages must not be empty", "messages")
-    tokenizer = state.llm.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "the model's tokenizer has no chat template: use /v1/completions",
-                       "messages")
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported",
-                               "messages")
-            content = "".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             **(req.chat_template_kwargs or {}))
-    except Exception as e:
-        raise ApiError(400, f"the chat template failed on these messages: {e}",
-                       "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False) if text else []
-    _check_length(state, ids, "messages")
-    return ids
-
-
-def _spec_info(metrics) -> P.SpeculativeInfo:
-    return P.SpeculativeInfo(num_drafts=metrics.num_drafts,
-                             num_draft_tokens=metrics.num_draft_tokens,
-                             num_accepted_tokens=metrics.num_accepted_tokens,
-                             accepted_per_position=list(metrics.accepted_per_position),
-                             mean_acceptance_length=metrics.mean_acceptance_length)
-
-
-def _usage(output) -> P.UsageInfo:
+def _usage(output) -> protocol.UsageInfo:
     p, c = len(output.prompt_token_ids), len(output.token_ids)
-    return P.UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return protocol.UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
 # -------------------------------------------------------------------------------- the app
 
 def build_app(state: ServerState) -> FastAPI:
-    llm = state.llm
+    llm, options = state.llm, state.options
     if state.metrics is None:
         state.metrics = ServerMetrics(state.model_name, max(llm.block_size - 1, 0),
                                       llm.allocator.num_blocks)
     if state.engine is None:
         state.engine = EngineThread(llm, state.metrics)
+    max_chars = serving.max_prompt_chars(llm)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if not state.engine._thread.is_alive():
+        if not state.engine.started():
             state.engine.start()
         yield
         state.draining = True
         await asyncio.get_running_loop().run_in_executor(None, state.engine.stop)
+        state.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="dflash", version=__version__, lifespan=lifespan)
-    if state.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=state.api_key)
+    # no /docs, /redoc or /openapi.json: they would be open to anyone who can connect
+    app = FastAPI(title="dflash", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    # outermost last: the key or the Host header is checked before the body is read
+    app.add_middleware(BodyLimitMiddleware, limit=options.max_request_bytes)
+    if options.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=options.api_key)
+    else:
+        app.add_middleware(HostMiddleware, allowed=frozenset(options.allowed_hosts))
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -281,48 +162,55 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        state.engine._publish_load()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
-        card = P.ModelCard(id=state.model_name, created=state.created, root=state.root,
+        card = protocol.ModelCard(id=state.model_name, created=state.created, root=state.root,
                            max_model_len=llm.max_model_len)
-        return P.ModelList(data=[card]).model_dump()
+        return protocol.ModelList(data=[card]).model_dump()
 
     # ---------------------------------------------------------------- generation
     @app.post("/v1/completions")
-    async def completions(req: P.CompletionRequest, raw: Request):
+    async def completions(req: protocol.CompletionRequest, raw: Request):
         _check_model(state, req.model)
-        ids = _completion_prompt(state, req)
-        params = _params(req, req.max_tokens, 16)
-        return await _generate(raw, req, ids, params, chat=False)
+        serving.check_honoured(req)
+        params = serving.sampling_params(req, req.max_tokens, 16)
+        prompt = serving.completion_prompt(req)
+        return await _generate(raw, req, params, chat=False,
+                               encode=lambda: serving.encode_completion(llm, prompt, max_chars))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
+    async def chat_completions(req: protocol.ChatCompletionRequest, raw: Request):
         _check_model(state, req.model)
-        ids = _chat_prompt(state, req)
+        serving.check_honoured(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        params = _params(req, max_tokens, llm.max_model_len - len(ids))
-        return await _generate(raw, req, ids, params, chat=True)
+        # without max_tokens: the rest of max_model_len, once the prompt's length is known
+        params = serving.sampling_params(req, max_tokens, llm.max_model_len)
+        messages = serving.chat_messages(req, options)
+        return await _generate(raw, req, params, chat=True,
+                               encode=lambda: serving.encode_chat(llm, req, messages, max_chars),
+                               fill_max_tokens=max_tokens is None)
 
-    async def _generate(raw: Request, req, ids: list[int], params: SamplingParams, chat: bool):
+    async def _generate(raw: Request, req, params: SamplingParams, chat: bool, encode,
+                        fill_max_tokens: bool = False):
+        loop = asyncio.get_running_loop()
+        state.reserve()
         try:
-            llm.validate(ids, params)
-        except ValueError as e:
-            raise ApiError(400, str(e), "max_tokens") from None
-        if state.draining or not state.engine.alive():
-            raise ApiError(503, "the server is shutting down", headers={"Retry-After": "1"})
-        if state.in_flight >= llm.max_num_seqs + state.max_queue:
-            raise ApiError(503, f"the server is busy: {state.in_flight} requests in flight "
-                                f"(max_num_seqs {llm.max_num_seqs} + max_queue "
-                                f"{state.max_queue}); retry later",
-                           headers={"Retry-After": "1"})
-        handle = Handle(asyncio.get_running_loop(), ids, params)
-        state.in_flight += 1
+            ids = await loop.run_in_executor(state.executor, encode)
+            if fill_max_tokens:
+                params = replace(params, max_tokens=max(llm.max_model_len - len(ids), 1))
+            try:
+                llm.validate(ids, params)
+            except ValueError as e:
+                raise ApiError(400, str(e), "max_tokens") from None
+        except BaseException:
+            state.release()
+            raise
+        handle = Handle(loop, ids, params, on_release=state.release)
         state.engine.submit(handle)
-        request_id = P.random_id("chatcmpl" if chat else "cmpl")
+        request_id = protocol.random_id("chatcmpl" if chat else "cmpl")
         try:
             first = await _race(raw, _next_event(handle))
             if first is None:   # the client went away
@@ -333,8 +221,8 @@ def build_app(state: ServerState) -> FastAPI:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 response = _Stream(
                     _stream(handle, first, request_id, chat, include_usage),
-                    on_close=lambda: _close(handle), media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"})
+                    on_close=lambda: _close(handle), send_timeout=options.stream_timeout,
+                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
                 handle.streaming = True   # from here the stream closes the handle
                 return response
             last = first if first.finished else await _race(raw, _last_event(handle))
@@ -351,7 +239,7 @@ def build_app(state: ServerState) -> FastAPI:
         if handle.closed:
             return
         handle.closed = True
-        state.in_flight -= 1
+        handle.release()
         if not handle.finished:
             state.engine.abort(handle)
 
@@ -366,17 +254,19 @@ def build_app(state: ServerState) -> FastAPI:
     def _response(output, request_id: str, chat: bool):
         spec = _spec_info(output.metrics) if llm.draft is not None else None
         if chat:
-            choice = P.ChatChoice(message=P.ChatMessageOut(content=output.text or ""),
-                                  finish_reason=output.finish_reason,
-                                  stop_reason=output.stop_reason)
-            body = P.ChatCompletionResponse(id=request_id, model=state.model_name,
-                                            choices=[choice], usage=_usage(output),
-                                            speculative_decoding=spec)
+            choice = protocol.ChatChoice(
+                message=protocol.ChatMessageOut(content=output.text or ""),
+                finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+            body = protocol.ChatCompletionResponse(
+                id=request_id, model=state.model_name, choices=[choice], usage=_usage(output),
+                speculative_decoding=spec)
         else:
-            choice = P.CompletionChoice(text=output.text or "", finish_reason=output.finish_reason,
-                                        stop_reason=output.stop_reason)
-            body = P.CompletionResponse(id=request_id, model=state.model_name, choices=[choice],
-                                        usage=_usage(output), speculative_decoding=spec)
+            choice = protocol.CompletionChoice(
+                text=output.text or "", finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason)
+            body = protocol.CompletionResponse(
+                id=request_id, model=state.model_name, choices=[choice], usage=_usage(output),
+                speculative_decoding=spec)
         return JSONResponse(body.model_dump())
 
     async def _stream(handle: Handle, event, request_id: str, chat: bool, include_usage: bool):
@@ -385,18 +275,18 @@ def build_app(state: ServerState) -> FastAPI:
 
         def chunk(text: str | None, finish=None, stop_reason=None, role=False) -> str:
             if chat:
-                delta = P.DeltaMessage(role="assistant" if role else None, content=text)
-                body = P.ChatCompletionChunk(id=request_id, created=created,
-                                             model=state.model_name, choices=[P.ChatChunkChoice(
-                                                 delta=delta, finish_reason=finish,
-                                                 stop_reason=stop_reason)])
+                delta = protocol.DeltaMessage(role="assistant" if role else None, content=text)
+                body = protocol.ChatCompletionChunk(
+                    id=request_id, created=created, model=state.model_name,
+                    choices=[protocol.ChatChunkChoice(delta=delta, finish_reason=finish,
+                                                      stop_reason=stop_reason)])
                 data = body.model_dump(exclude_none=True)
                 data["choices"][0].setdefault("finish_reason", None)
             else:
-                body = P.CompletionChunk(id=request_id, created=created, model=state.model_name,
-                                         choices=[P.CompletionChoice(text=text or "",
-                                                                     finish_reason=finish,
-                                                                     stop_reason=stop_reason)])
+                body = protocol.CompletionChunk(
+                    id=request_id, created=created, model=state.model_name,
+                    choices=[protocol.CompletionChoice(text=text or "", finish_reason=finish,
+                                                       stop_reason=stop_reason)])
                 data = body.model_dump(exclude_none=True)
                 data["choices"][0].setdefault("finish_reason", None)
                 data["choices"][0].setdefault("logprobs", None)
@@ -421,10 +311,9 @@ def build_app(state: ServerState) -> FastAPI:
                         yield chunk("", output.finish_reason, output.stop_reason)
                     if include_usage:
                         spec = _spec_info(output.metrics) if llm.draft is not None else None
-                        usage = P.CompletionChunk(id=request_id, created=created,
-                                                  model=state.model_name, choices=[],
-                                                  usage=_usage(output),
-                                                  speculative_decoding=spec)
+                        usage = protocol.CompletionChunk(
+                            id=request_id, created=created, model=state.model_name, choices=[],
+                            usage=_usage(output), speculative_decoding=spec)
                         data = usage.model_dump(exclude_none=True)
                         if chat:
                             data["object"] = "chat.completion.chunk"
@@ -438,17 +327,31 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+class _Stalled(Exception):
+    """The client did not take a chunk within the send timeout."""
+
+
 class _Stream(StreamingResponse):
     """A server-sent event stream that releases its request however the response ends (even
-    when the client leaves before the body starts)."""
+    when the client leaves before the body starts), and ends it when the client stops reading:
+    a send that waits longer than `send_timeout` (the socket's buffers are full) closes it."""
 
-    def __init__(self, content, on_close, **kw):
+    def __init__(self, content, on_close, send_timeout: float, **kw):
         super().__init__(content, **kw)
-        self._on_close = on_close
+        self._on_close, self._send_timeout = on_close, send_timeout
 
     async def __call__(self, scope, receive, send):
+        async def send_or_give_up(message):
+            try:
+                await asyncio.wait_for(send(message), self._send_timeout)
+            except asyncio.TimeoutError:
+                raise _Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except _Stalled:
+            logger.warning("a streaming client read nothing for %.1f s: its request is aborted "
+                           "and the connection closed", self._send_timeout)
         finally:
             self._on_close()
 
@@ -508,10 +411,15 @@ class Server:
     a free one: see `port`)."""
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 api_key: str | None = None, max_queue: int = 256, grace_period: float = 10.0,
-                 root: str = "", log_level: str = "warning"):
-        self.state = ServerState(llm, model_name, api_key=api_key, max_queue=max_queue,
-                                 root=root)
+                 grace_period: float = 10.0, root: str = "", log_level: str = "warning",
+                 **options):
+        """`options`: the fields of `serving.Options` (api_key, max_queue, ...)."""
+        self.state = ServerState(llm, model_name, Options(**options), root=root)
+        # a dead engine thread ends the process (non-zero) so that a supervisor restarts it
+        self.state.engine = EngineThread(llm, ServerMetrics(
+            model_name, max(llm.block_size - 1, 0), llm.allocator.num_blocks),
+            on_failure=self._engine_failed)
+        self.state.metrics = self.state.engine.metrics
         self.app = build_app(self.state)
         self.socket = socket.create_server((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
@@ -527,11 +435,25 @@ class Server:
     def _draining(self) -> None:
         self.state.draining = True
 
-    def run(self) -> None:
-        """Serve until SIGTERM / SIGINT (from the main thread)."""
+    def _engine_failed(self) -> None:
+        self.uvicorn.should_exit = True
+
+    @property
+    def failed(self) -> bool:
+        """True when the engine thread died (the server then stops)."""
+        return self.state.engine.error is not None
+
+    def run(self) -> int:
+        """Serve until SIGTERM / SIGINT (from the main thread) or until the engine thread dies;
+        returns the process's exit status (1 in the second case)."""
         print(f"dflash serve: {self.state.model_name} on {self.url} (OpenAI API at "
               f"{self.url}/v1)", file=sys.stderr, flush=True)
         self.uvicorn.run(sockets=[self.socket])
+        if self.failed:
+            print(f"dflash serve: the engine thread failed ({self.state.engine.error!r}); "
+                  "exiting with status 1", file=sys.stderr, flush=True)
+            return 1
+        return 0
 
     # tests: the server in a background thread of this process
     def start(self, timeout: float = 30.0) -> Server:

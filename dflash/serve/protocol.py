@@ -2,7 +2,8 @@
 
 Unknown request fields are accepted and ignored (clients and benchmark tools send extras); known
 fields of the wrong type are a 400 naming the field. Fields dflash cannot honour (logprobs, echo,
-penalties, n > 1, ...) are a 400 saying so, never silently ignored.
+penalties, n > 1, tools, response_format, ...: `serving.NOT_HONOURED`) are a 400 naming the
+field, never silently ignored, whether declared here or not.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -47,7 +48,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
@@ -66,9 +67,10 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    chat_template: str | None = None   # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     logprobs: bool = False

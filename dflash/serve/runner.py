@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 
 from ..engine import LLMEngine, StepOutput
 from ..sampling import SamplingParams
@@ -20,8 +21,10 @@ class Handle:
     """One request's hand-over: created on the event loop, filled by the engine thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt_ids: list[int],
-                 params: SamplingParams):
+                 params: SamplingParams, on_release):
         self.loop = loop
+        self._on_release = on_release
+        self.released = False
         self.prompt_ids, self.params = prompt_ids, params
         self.arrival = time.perf_counter()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -35,14 +38,28 @@ class Handle:
     def deliver(self, event) -> None:
         """From the engine thread: a StepOutput, or an Exception that ends the request."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._receive, event)
         except RuntimeError:   # the event loop is closed: nobody is waiting any more
             pass
 
+    def _receive(self, event) -> None:
+        self.events.put_nowait(event)
+        if isinstance(event, Exception) or event.finished:
+            self.release()
+
+    def release(self) -> None:
+        """Give the request's server slot back, once: when the engine is done with it or when
+        its response ends, whichever comes first (a client that reads slowly holds none)."""
+        if not self.released:
+            self.released = True
+            self._on_release()
+
 
 class EngineThread:
-    def __init__(self, llm, metrics: ServerMetrics):
+    def __init__(self, llm, metrics: ServerMetrics, on_failure=None):
+        """`on_failure()` is called (from the engine thread) if the thread dies of an error."""
         self.llm = llm
+        self.on_failure = on_failure
         self.engine = LLMEngine(llm, isolate_errors=True)
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -50,12 +67,15 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None   # what stopped the thread, if not stop()
-        # (steps when the abort was requested, steps when its blocks were freed)
-        self.aborts: list[tuple[int, int]] = []
+        # the latest aborts: (step when requested, step when its blocks were freed)
+        self.aborts: deque[tuple[int, int]] = deque(maxlen=1024)
 
     # ------------------------------------------------------------------- from the event loop
     def start(self) -> None:
         self._thread.start()
+
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -97,6 +117,8 @@ class EngineThread:
             for handle in self._handles.values():
                 handle.deliver(RuntimeError(f"the engine thread failed: {e}"))
             self._handles.clear()
+            if self.on_failure is not None:
+                self.on_failure()
             raise
 
     def _command(self, c) -> None:
