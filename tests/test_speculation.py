@@ -324,8 +324,9 @@ def test_calibration_times_a_preempted_point_again(monkeypatch):
 
 
 def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured(
-        models, monkeypatch, capsys, tmp_path):
+        models, monkeypatch, caplog, tmp_path):
     target, draft = models
+    caplog.set_level("INFO", logger="dflash")
     monkeypatch.setattr(cost_model, "CACHE_DIR", tmp_path)
     fast_rows = {torch.float32: 0.01, torch.bfloat16: 0.001}   # fp32: every row costs a lot
     monkeypatch.setattr(cost_model, "calibrate", lambda worker, *a: CostModel(
@@ -333,7 +334,7 @@ def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured
     monkeypatch.setattr(llm_module, "_announced", set())
     llm = LLM(target, draft, max_num_seqs=8)
     assert llm.dtype == torch.bfloat16 and llm.metrics()["dtype"] == "bfloat16"
-    assert "dtype auto -> bfloat16" in capsys.readouterr().err
+    assert "dtype auto -> bfloat16" in caplog.text
     builds = []
     real_build = LLM._build
     monkeypatch.setattr(LLM, "_build", lambda self, d: builds.append(d) or real_build(self, d))

@@ -8,14 +8,15 @@ request. Finished and aborted requests give their cache blocks back at once.
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
 from .request import Request, RequestMetrics, RequestOutput
+
+logger = logging.getLogger("dflash")
 
 
 @dataclass
@@ -204,8 +205,7 @@ class LLMEngine:
 
     def _fail(self, r: Request, error: Exception) -> None:
         r.error = f"{type(error).__name__}: {error}"
-        print(f"dflash: request {r.request_id} failed:\n"
-              + "".join(traceback.format_exception(error)), file=sys.stderr, flush=True)
+        logger.error("request %d failed", r.request_id, exc_info=error)
         r.finish("error", flush=False)   # its detokenizer may be what failed
 
     def _retire(self) -> None:

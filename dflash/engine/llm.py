@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Sequence
 
@@ -23,6 +23,7 @@ from .worker import Worker
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPES = ("bfloat16", "float32")   # float16 GEMMs have no fast CPU path
 _announced: set[str] = set()
+logger = logging.getLogger("dflash")
 
 
 class LLM:
@@ -367,10 +368,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _announce(message: str) -> None:
-    """Print `message` to stderr once per process."""
+    """Log `message` (info) once per process."""
     if message not in _announced:
         _announced.add(message)
-        print(f"dflash: {message}", file=sys.stderr, flush=True)
+        logger.info(message)
 
 
 def _progress(total: int):
