@@ -282,7 +282,7 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        self._elapsed += time.perf_counter() - start
+        self.totals.elapsed_s += time.perf_counter() - start
         return outputs
 
     def _plan(self, running: list[Request]) -> list[int]:
@@ -327,8 +327,8 @@ class LLM:
             "draft_acceptance_rate": (tau - 1) / (self.block_size - 1) if self.block_size > 1
             else 0.0,
             "generated_tokens": generated,
-            "elapsed_s": self._elapsed,
-            "throughput_tok_s": generated / self._elapsed if self._elapsed else 0.0,
+            "elapsed_s": t.elapsed_s,
+            "throughput_tok_s": generated / t.elapsed_s if t.elapsed_s else 0.0,
             "mean_ttft_s": t.ttft_sum / t.ttft_count if t.ttft_count else None,
             "mean_tpot_s": t.tpot_sum / t.tpot_count if t.tpot_count else None,
             "dtype": _dtype_name(self.dtype),
@@ -346,7 +346,7 @@ class LLM:
         }
 
     def reset_metrics(self) -> None:
-        self.totals, self._elapsed = Totals(), 0.0
+        self.totals = Totals()
         self._steps = self._draft_skipped = 0
         self._verify_lengths = [0] * self.block_size
 

@@ -49,9 +49,11 @@ class RequestMetrics:
 
 
 class Totals:
-    """Running sums of finished requests' metrics: constant memory however long a server runs."""
+    """Running sums of finished requests' metrics: constant memory however long a server runs.
+    `elapsed_s` is the time spent generating (`LLM.generate` calls, or the server's steps)."""
 
     def __init__(self):
+        self.elapsed_s = 0.0
         self.requests = self.num_drafts = self.num_draft_tokens = 0
         self.num_accepted_tokens = self.generated_tokens = 0
         self.accepted_per_position: list[int] = []

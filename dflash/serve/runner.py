@@ -154,7 +154,7 @@ class EngineThread:
     def _step(self) -> None:
         start = time.perf_counter()
         outputs = self.engine.step()
-        self.llm._elapsed += time.perf_counter() - start
+        self.llm.totals.elapsed_s += time.perf_counter() - start
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is None:
