@@ -9,13 +9,16 @@ build/npu (DFLASH_NPU_BUILD_DIR overrides) whose library, _npu_kernels.so, lands
 package's other extensions. `DFLASH_NPU_DRY_RUN=1` only configures that project and stops: the CI
 check of the build scripts against a stub CANN tree.
 
-CPU kernels (csrc/cpu/*.cpp) are compiled once per CPU capability so one wheel runs everywhere and
-uses AVX-512 where the host has it; dflash picks the best library at import time.
-`DFLASH_CPU_CAPABILITIES=AVX512` (comma list) limits the set to speed up development builds.
+CPU kernels (csrc/cpu/*.cpp) are compiled once per CPU capability the machine's architecture has
+(x86-64: AVX512, AVX2 and DEFAULT, so one wheel runs on every x86 CPU and uses AVX-512 where it
+can; elsewhere, e.g. aarch64 (Kunpeng): DEFAULT, where ATen's at::vec uses NEON); dflash picks the
+best library at import time. `DFLASH_CPU_CAPABILITIES=AVX512` (comma list) limits the set to
+speed up development builds.
 """
 
 import glob
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -26,12 +29,15 @@ from setuptools import setup
 ROOT = Path(__file__).parent.resolve()
 GENERATED = ROOT / "build" / "generated"
 
-# Flags per ATen CPU capability; CPU_CAPABILITY_* selects the at::vec implementation.
+# Flags per ATen CPU capability; CPU_CAPABILITY_* selects the at::vec implementation. The x86
+# flags exist only on x86-64 compilers (GCC for aarch64 rejects -mavx512f).
 CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "DEFAULT": [],
 }
+X86_64 = ("x86_64", "amd64")
+COMMON_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
 
 
 def take_device_arg() -> str:
@@ -95,16 +101,25 @@ def build_npu(output_dir: Path, configure_only: bool = False) -> None:
             sys.exit(f"dflash: the NPU build failed at: {' '.join(step)}")
 
 
-def capabilities() -> list[str]:
+def capabilities(machine: str | None = None) -> list[str]:
+    """The capabilities built for `machine` (default: this one), as limited by
+    DFLASH_CPU_CAPABILITIES."""
+    machine = (machine or platform.machine()).lower()
+    available = list(CAPABILITY_FLAGS) if machine in X86_64 else ["DEFAULT"]
     wanted = os.environ.get("DFLASH_CPU_CAPABILITIES")
     if not wanted:
-        return list(CAPABILITY_FLAGS)
+        return available
     caps = [c.strip().upper() for c in wanted.split(",") if c.strip()]
-    unknown = [c for c in caps if c not in CAPABILITY_FLAGS]
+    unknown = [c for c in caps if c not in available]
     if unknown:
-        sys.exit(f"dflash: unknown DFLASH_CPU_CAPABILITIES {unknown}; "
-                 f"known: {list(CAPABILITY_FLAGS)}")
+        sys.exit(f"dflash: DFLASH_CPU_CAPABILITIES {unknown} cannot be built on {machine}; "
+                 f"it builds {available}")
     return caps
+
+
+def kernel_compile_args(cap: str) -> list[str]:
+    return COMMON_FLAGS + CAPABILITY_FLAGS[cap] + [f"-DCPU_CAPABILITY={cap}",
+                                                   f"-DCPU_CAPABILITY_{cap}"]
 
 
 def capability_sources(cap: str, kernels: list[str]) -> list[str]:
@@ -127,8 +142,7 @@ def capability_sources(cap: str, kernels: list[str]) -> list[str]:
 def extensions():
     from torch.utils.cpp_extension import CppExtension
 
-    common = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
-    exts = [CppExtension("dflash._C", ["csrc/registry.cpp"], extra_compile_args=common)]
+    exts = [CppExtension("dflash._C", ["csrc/registry.cpp"], extra_compile_args=COMMON_FLAGS)]
     kernels = sorted(glob.glob("csrc/cpu/*.cpp", root_dir=ROOT))
     if kernels:
         for cap in capabilities():
@@ -136,8 +150,7 @@ def extensions():
                 f"dflash._cpu_kernels_{cap.lower()}",
                 capability_sources(cap, kernels),
                 include_dirs=[str(ROOT / "csrc")],
-                extra_compile_args=common + CAPABILITY_FLAGS[cap]
-                + [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"],
+                extra_compile_args=kernel_compile_args(cap),
                 extra_link_args=["-fopenmp"],
             ))
     return exts

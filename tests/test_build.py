@@ -1,8 +1,13 @@
-"""Build flags: the NPU build stops early with a clear message when CANN / torch_npu are missing."""
+"""Build flags: the NPU build stops early with a clear message when CANN / torch_npu are missing;
+the CPU kernels build for the machine's architecture (x86-64 capabilities only on x86-64), and
+compile for aarch64 with a cross compiler."""
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -41,3 +46,50 @@ def test_npu_build_names_a_bad_soc_or_path(tmp_path):
 def test_unknown_device_is_rejected():
     result = _setup("build", "--device", "gpu")
     assert result.returncode != 0 and "unknown --device 'gpu'" in result.stderr
+
+
+def _setup_module():
+    spec = importlib.util.spec_from_file_location("dflash_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)   # setup() itself runs only under __main__
+    return module
+
+
+def test_cpu_capabilities_follow_the_machine(monkeypatch):
+    setup = _setup_module()
+    monkeypatch.delenv("DFLASH_CPU_CAPABILITIES", raising=False)
+    assert setup.capabilities("x86_64") == ["AVX512", "AVX2", "DEFAULT"]
+    assert setup.capabilities("aarch64") == setup.capabilities("arm64") == ["DEFAULT"]
+    monkeypatch.setenv("DFLASH_CPU_CAPABILITIES", "avx512")
+    assert setup.capabilities("x86_64") == ["AVX512"]
+    with pytest.raises(SystemExit, match="cannot be built on aarch64"):
+        setup.capabilities("aarch64")
+
+
+CROSS = shutil.which("aarch64-linux-gnu-g++")
+
+
+def _cross_compile(setup, source: str, cap: str, out: Path):
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in [ROOT / "csrc", *include_paths(),
+                                   sysconfig.get_paths()["include"]]]
+    return subprocess.run([CROSS, "-std=c++17", "-c", *setup.kernel_compile_args(cap),
+                           *includes, str(ROOT / source), "-o", str(out)],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(CROSS is None, reason="no aarch64 cross compiler "
+                                          "(apt-get install g++-aarch64-linux-gnu)")
+def test_cpu_kernels_compile_for_aarch64(tmp_path):
+    """What `pip install` compiles on an aarch64 (Kunpeng) host, compiled by GCC for aarch64
+    against torch's headers; the x86 capabilities' flags fail there (the negative control)."""
+    setup = _setup_module()
+    sources = ["csrc/registry.cpp", *sorted(
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))]
+    for cap in setup.capabilities("aarch64"):
+        for source in sources:
+            result = _cross_compile(setup, source, cap, tmp_path / f"{cap}.o")
+            assert result.returncode == 0, (source, cap, result.stderr[-3000:])
+    result = _cross_compile(setup, "csrc/cpu/layer_ops.cpp", "AVX512", tmp_path / "x.o")
+    assert result.returncode != 0 and "avx512" in result.stderr.lower()
