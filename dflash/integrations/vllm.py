@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -45,7 +46,15 @@ _announced: list[bool] = []
 
 
 def register() -> None:
-    """The entry point vLLM calls in each of its processes; idempotent."""
+    """The entry point vLLM calls in each of its processes; idempotent. It never raises: a
+    failure is logged and leaves vLLM as it was (install() patches one attribute, last)."""
+    try:
+        _register()
+    except Exception:
+        logger.exception("dflash plugin: not installed; vLLM runs with its own functions")
+
+
+def _register() -> None:
     import vllm
 
     if vllm.__version__ not in TESTED_VLLM_VERSIONS:
@@ -97,15 +106,14 @@ def context_kv(model, context_states: torch.Tensor, context_positions: torch.Ten
     nothing, when vLLM's own function must run instead: the dummy run without a slot mapping
     (it only profiles memory), per-layer slot mappings, or a draft / cache the op does not serve.
 
-    context_states: [N, H] (fc already applied); context_positions, context_slot_mapping: [N]."""
+    context_states: [N, H] (fc already applied); context_positions: [N]; context_slot_mapping:
+    [N], or one per layer as a list or a mapping by layer name (vLLM builds differ), used only
+    when every layer has the same tensor."""
+    context_slot_mapping = _one_slot_mapping(context_slot_mapping)
     if context_slot_mapping is None:
         return False
     if not hasattr(model, "_num_attn_layers"):
         model._build_fused_kv_buffers()
-    if isinstance(context_slot_mapping, (list, tuple)):
-        if any(s is not context_slot_mapping[0] for s in context_slot_mapping):
-            return False   # per-layer slot mappings (mixed attention groups)
-        context_slot_mapping = context_slot_mapping[0]
     if not _supported(model):
         return False
     caches = _cache_views(model)
@@ -116,6 +124,18 @@ def context_kv(model, context_states: torch.Tensor, context_positions: torch.Ten
         model._fused_kv_bias, model._k_norm_weights, context_positions, _float_rope_cache(model),
         context_slot_mapping, *caches, model._rms_norm_eps)
     return True
+
+
+def _one_slot_mapping(slot_mapping):
+    """The slot mapping every layer shares, or None: none given (the dummy run), per-layer
+    mappings that differ (mixed attention groups), or none at all in a list or mapping."""
+    if isinstance(slot_mapping, Mapping):
+        slot_mapping = list(slot_mapping.values())
+    if isinstance(slot_mapping, (list, tuple)):
+        if not slot_mapping or any(s is not slot_mapping[0] for s in slot_mapping):
+            return None
+        slot_mapping = slot_mapping[0]
+    return slot_mapping if isinstance(slot_mapping, torch.Tensor) else None
 
 
 def _supported(model) -> bool:
