@@ -1,6 +1,7 @@
 """The draft trainer: its objective equals the inference draft, it learns, it resumes exactly."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,24 @@ def test_copying_layers_from_a_packed_target(tiny, dtype):
     copy_target_layers(drafts[1], packed, [2])
     for p, q in zip(drafts[0].parameters(), drafts[1].parameters()):
         assert torch.equal(p, q)
+
+
+class _Planted:
+    """A pickle that runs code when loaded: what a planted checkpoint.pt would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_checkpoint_is_refused_without_running_its_code(tiny, tmp_path):
+    target = tiny[1]
+    out = tmp_path / "run"
+    out.mkdir()
+    marker = tmp_path / "code-ran"
+    torch.save({"step": 1, "config": _Planted(marker)}, out / "checkpoint.pt")
+    with pytest.raises(ValueError, match="checkpoint.pt holds objects other than tensors"):
+        Trainer(target, _answers(), out, _config())
+    assert not marker.exists()

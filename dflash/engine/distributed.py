@@ -123,7 +123,8 @@ class Group:
     """Rank 0's side of a tensor-parallel group: the spawned followers, their pipes and the
     process group. `target` / `draft` are checkpoint paths each follower loads its part of."""
 
-    def __init__(self, size: int, target, draft, dtype: torch.dtype, device, timeout: float):
+    def __init__(self, size: int, target, draft, dtype: torch.dtype, device, timeout: float,
+                 max_positions: int):
         device = torch.device(device)
         if device.type not in BACKENDS:
             raise ValueError(f"tensor parallelism supports devices {list(BACKENDS)}, "
@@ -144,7 +145,8 @@ class Group:
                                   timeout=timedelta(seconds=timeout))
             spec = dict(target=str(target), draft=None if draft is None else str(draft),
                         dtype=dtype, device=str(device), backend=BACKENDS[device.type],
-                        port=store.port, timeout=timeout, threads=threads)
+                        port=store.port, timeout=timeout, threads=threads,
+                        max_positions=max_positions)
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_follow, args=(rank, size, theirs, spec), daemon=True,
@@ -277,9 +279,9 @@ def _follow(rank: int, size: int, conn, spec: dict) -> None:
                               timeout=timedelta(seconds=spec["timeout"]))
         _init_process_group(spec, rank, size, store)
         tp = TensorParallel(rank, size)
-        target = load_target(spec["target"], spec["dtype"], device, tp)
+        target = load_target(spec["target"], spec["dtype"], device, tp, spec["max_positions"])
         draft = None if spec["draft"] is None else \
-            load_draft(spec["draft"], target.cfg, spec["dtype"], device)
+            load_draft(spec["draft"], target.cfg, spec["dtype"], device, spec["max_positions"])
         worker_args = conn.recv()
         if worker_args is not None:   # None: rank 0 gave up before building its worker
             worker = TPWorker(tp, None, target, draft, *worker_args)

@@ -101,7 +101,8 @@ class LLM:
     def _build(self, torch_dtype: torch.dtype) -> None:
         c = self._config
         self._group = None if c["tp_size"] == 1 else distributed.Group(
-            c["tp_size"], c["target"], c["draft"], torch_dtype, c["device"], c["tp_timeout"])
+            c["tp_size"], c["target"], c["draft"], torch_dtype, c["device"], c["tp_timeout"],
+            c["max_model_len"] or 4096)
         try:
             self._init(c["target"], c["draft"], torch_dtype, c["device"], c["max_num_seqs"],
                        c["block_size"], c["kv_block_size"], c["max_model_len"],
@@ -166,9 +167,10 @@ class LLM:
         if tp is not None:
             device = self._group.device
         self.dtype = torch_dtype
-        self.target = load_target(target, torch_dtype, device, tp)
+        served = max_model_len or 4096   # RoPE tables cover what is served, no more
+        self.target = load_target(target, torch_dtype, device, tp, served)
         self.draft = None if draft is None else load_draft(draft, self.target.cfg, torch_dtype,
-                                                           device)
+                                                           device, served)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
         if block_size is None:
             block_size = 1 if self.draft is None else self.draft.cfg.block_size

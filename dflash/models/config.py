@@ -34,6 +34,26 @@ def _get(cfg: dict, name: str, what: str):
     return cfg[name]
 
 
+# Bounds far beyond any real model: a value outside them is a broken or hostile config, refused
+# before it sizes an allocation.
+MAX_DIM = 2**20         # hidden, head and MLP sizes
+MAX_COUNT = 2**14       # heads, layers, experts
+MAX_INDEX = 2**31 - 1   # vocabulary size, positions
+
+
+def _size(cfg: dict, name: str, what: str, default=None, low: int = 1, high: int = MAX_DIM
+          ) -> int:
+    """cfg[name] (or `default` where it is missing or null; required without a default) as an
+    integer in [low, high]."""
+    value = cfg.get(name)
+    if value is None:
+        value = _get(cfg, name, what) if default is None else default
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{what} config {name}={value!r} must be an integer in "
+                          f"[{low}, {high}]")
+    return value
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """What a decoder layer's attention needs; shared by targets and drafts."""
@@ -50,18 +70,22 @@ class AttentionConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, what: str) -> AttentionConfig:
-        hidden = _get(cfg, "hidden_size", what)
-        heads = _get(cfg, "num_attention_heads", what)
+        hidden = _size(cfg, "hidden_size", what)
+        heads = _size(cfg, "num_attention_heads", what, high=MAX_COUNT)
         theta, scaling = _rope(cfg)
-        kv_heads = cfg.get("num_key_value_heads") or heads
+        kv_heads = _size(cfg, "num_key_value_heads", what, heads, high=MAX_COUNT)
         if heads % kv_heads:
             raise ConfigError(f"{what}: num_attention_heads {heads} is not a multiple of "
                               f"num_key_value_heads {kv_heads}")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ConfigError(f"{what}: hidden_size {hidden} is not a multiple of "
+                              f"num_attention_heads {heads} (and no head_dim is given)")
         return cls(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-                   head_dim=cfg.get("head_dim") or hidden // heads,
+                   head_dim=_size(cfg, "head_dim", what, hidden // heads),
                    rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
                    rope_scaling=scaling,
-                   max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+                   max_position_embeddings=_size(cfg, "max_position_embeddings", what, 32768,
+                                                 high=MAX_INDEX),
                    attention_bias=bool(cfg.get("attention_bias", False)))
 
 
@@ -104,9 +128,9 @@ class TargetConfig:
         return cls(
             architecture=arch,
             attn=AttentionConfig.from_hf(cfg, "target"),
-            vocab_size=_get(cfg, "vocab_size", "target"),
-            num_layers=_get(cfg, "num_hidden_layers", "target"),
-            intermediate_size=cfg.get("intermediate_size", 0),
+            vocab_size=_size(cfg, "vocab_size", "target", high=MAX_INDEX),
+            num_layers=_size(cfg, "num_hidden_layers", "target", high=MAX_COUNT),
+            intermediate_size=_size(cfg, "intermediate_size", "target", 0, low=0),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -154,7 +178,7 @@ class DraftConfig:
                 raise ConfigError(f"draft config has no {name!r} (in dflash_config or top level)")
             return value
 
-        layers = _get(cfg, "num_hidden_layers", "draft")
+        layers = _size(cfg, "num_hidden_layers", "draft", high=MAX_COUNT)
         ids = field_("target_layer_ids", default_target_layer_ids(target.num_layers, layers))
         for i in ids:
             if not isinstance(i, int) or not 0 <= i < target.num_layers:
@@ -175,5 +199,5 @@ class DraftConfig:
             warnings.warn("draft config sets use_sliding_window: the sliding window is not "
                           "applied (dflash attends to the full context)", stacklevel=2)
         return cls(attn=attn, num_layers=layers,
-                   intermediate_size=_get(cfg, "intermediate_size", "draft"),
+                   intermediate_size=_size(cfg, "intermediate_size", "draft"),
                    block_size=block, mask_token_id=mask, target_layer_ids=tuple(ids))

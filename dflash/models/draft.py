@@ -25,6 +25,7 @@ from .layers import (
     rms_norm,
     rope,
     rope_cos_sin,
+    rope_positions,
 )
 from .target import MLP, _param
 
@@ -63,7 +64,9 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
-    def __init__(self, cfg: DraftConfig, target_hidden_size: int):
+    def __init__(self, cfg: DraftConfig, target_hidden_size: int,
+                 max_positions: int | None = None):
+        """`max_positions`: as for TargetModel."""
         super().__init__()
         self.cfg = cfg
         a = cfg.attn
@@ -75,7 +78,7 @@ class DFlashDraft(nn.Module):
         self.kv_bias = _param(kv_rows) if a.attention_bias else None
         self.k_norm = _param(cfg.num_layers, a.head_dim)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
-        self.register_buffer("cos_sin", rope_cos_sin(a, a.max_position_embeddings),
+        self.register_buffer("cos_sin", rope_cos_sin(a, rope_positions(a, max_positions)),
                              persistent=False)
         # Optional draft vocabulary (token ids the draft may propose): the draft's logits then
         # cost a fraction of the full lm_head. Proposals stay valid; verification is unchanged.

@@ -177,6 +177,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(total, weight, eps), total
 
 
+# positions a RoPE table covers when its user names no longer served length
+DEFAULT_ROPE_POSITIONS = 32768
+
+
+def rope_positions(cfg: AttentionConfig, max_positions: int | None) -> int:
+    """Rows of a model's RoPE table: the served length, never more than the model's
+    max_position_embeddings (a 1M-context config must not allocate a 1M-row table at load)."""
+    return min(cfg.max_position_embeddings, max_positions or DEFAULT_ROPE_POSITIONS)
+
+
 def rope_cos_sin(cfg: AttentionConfig, max_positions: int) -> torch.Tensor:
     """[max_positions, D] float32 rows [cos(D/2) | sin(D/2)] (NeoX layout), with Llama-3 scaling."""
     d = cfg.head_dim

@@ -140,6 +140,9 @@ class SafetensorsCheckpoint:
         self._handles, self._where = [], {}
         for name in files:
             path = directory / name
+            if not path.resolve().is_relative_to(directory.resolve()):
+                raise CheckpointError(f"shard {name!r} listed in {index.name} is outside the "
+                                      f"checkpoint directory {directory}")
             if not path.exists():
                 raise CheckpointError(f"shard {path} listed in the index does not exist")
             handle = safe_open(str(path), framework="pt")
@@ -255,6 +258,12 @@ def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
     if arch not in _GGUF_ARCHS:
         raise ConfigError(f"GGUF architecture {arch!r} is not supported; "
                           f"supported: {', '.join(_GGUF_ARCHS)}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Llama 3.x: per-dimension RoPE frequency factors (its "llama3" rope scaling), which the
+        # RoPE tables here do not apply: refused rather than decoded with the wrong positions
+        raise ConfigError(f"{path.name}: Llama-3 RoPE scaling (rope_freqs.weight) in GGUF files "
+                          "is not supported; load the model's Hugging Face checkpoint instead "
+                          "(its rope_scaling is)")
     meta = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
     heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
     tensors = {}
@@ -264,9 +273,10 @@ def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
         if t.name in _GGUF_GLOBAL_NAMES:
             tensors[_GGUF_GLOBAL_NAMES[t.name]] = w
             continue
-        blk, layer, kind, suffix = t.name.split(".")
-        if blk != "blk" or kind not in _GGUF_LAYER_NAMES:
-            continue  # e.g. rope frequency tables, recomputed from the config
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
+            continue  # tensors the model does not use
+        _, layer, kind, suffix = parts
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             w = _unpermute_rope_rows(w, heads if kind == "attn_q" else kv_heads)
         tensors[f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"] = w
@@ -319,9 +329,11 @@ def _resolve(path) -> Path:
 
 
 def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                tp: TensorParallel | None = None) -> TargetModel:
+                tp: TensorParallel | None = None, max_positions: int | None = None
+                ) -> TargetModel:
     """A target model from a Hugging Face directory or a GGUF file (dequantized on load); with
-    `tp`, only this rank's tensor-parallel shard is read."""
+    `tp`, only this rank's tensor-parallel shard is read. `max_positions`: the longest sequence
+    it will serve (its RoPE table's rows, at most max_position_embeddings)."""
     path = _resolve(path)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
@@ -333,18 +345,20 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
         check_config(cfg, tp.size)
     if ckpt is None:
         ckpt = SafetensorsCheckpoint(path)
-    model = TargetModel(cfg, tp)
+    model = TargetModel(cfg, tp, max_positions)
     assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device), tp)
     return model.eval()
 
 
 def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu") -> DFlashDraft:
-    """A DFlashDraftModel directory, validated against its target (docs/design.md section 2)."""
+               device: torch.device | str = "cpu", max_positions: int | None = None
+               ) -> DFlashDraft:
+    """A DFlashDraftModel directory, validated against its target (docs/design.md section 2);
+    `max_positions` as for load_target."""
     path = _resolve(path)
     config = read_config(path)
     cfg = DraftConfig.from_hf(config, target)
-    model = DFlashDraft(cfg, target.attn.hidden_size)
+    model = DFlashDraft(cfg, target.attn.hidden_size, max_positions)
     ckpt = SafetensorsCheckpoint(path)
     assemble(model, draft_recipe(cfg, target.attn.hidden_size), ckpt, str(path), dtype,
              torch.device(device))

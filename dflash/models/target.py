@@ -25,6 +25,7 @@ from .layers import (
     pack_parameter,
     rms_norm,
     rope_cos_sin,
+    rope_positions,
     silu_and_mul,
 )
 from .parallel import TensorParallel
@@ -40,7 +41,10 @@ def _ranks(tp: TensorParallel | None) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None,
+                 max_positions: int | None = None):
+        """`max_positions`: the longest sequence served (sizes the RoPE table; see
+        layers.rope_positions)."""
         super().__init__()
         a = cfg.attn
         n = _ranks(tp)
@@ -87,7 +91,10 @@ class MoE(nn.Module):
     """Top-k routed experts; each expert runs only on the tokens routed to it. Under tensor
     parallelism each rank holds a run of the experts and the partial outputs are summed."""
 
-    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None,
+                 max_positions: int | None = None):
+        """`max_positions`: the longest sequence served (sizes the RoPE table; see
+        layers.rope_positions)."""
         super().__init__()
         e, h, i = cfg.num_experts, cfg.attn.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -145,7 +152,10 @@ class DecoderLayer(nn.Module):
 
 
 class TargetModel(nn.Module):
-    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None,
+                 max_positions: int | None = None):
+        """`max_positions`: the longest sequence served (sizes the RoPE table; see
+        layers.rope_positions)."""
         super().__init__()
         self.cfg, self.tp = cfg, tp
         h = cfg.attn.hidden_size
@@ -155,8 +165,8 @@ class TargetModel(nn.Module):
         self.norm = _param(h)
         self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, h)
         self.packed_head: torch.Tensor | None = None   # see pack_weights
-        self.register_buffer("cos_sin", rope_cos_sin(cfg.attn, cfg.attn.max_position_embeddings),
-                             persistent=False)
+        self.register_buffer("cos_sin", rope_cos_sin(
+            cfg.attn, rope_positions(cfg.attn, max_positions)), persistent=False)
 
     @property
     def output_embedding(self) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -195,7 +196,12 @@ class Trainer:
             elif self.tc.init_from_target_layers:
                 copy_target_layers(self.draft, self.target, self.tc.init_from_target_layers)
             return
-        state = torch.load(path, weights_only=False)
+        try:   # tensors and plain containers only: unpickling anything else could run code
+            state = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{path} holds objects other than tensors and plain data, which "
+                             f"dflash does not load (a checkpoint.pt it wrote never does): "
+                             f"{str(e).splitlines()[0]}") from None
         saved = state["config"]
         for key in ("num_layers", "intermediate_size", "block_size", "mask_token_id",
                     "target_layer_ids"):
