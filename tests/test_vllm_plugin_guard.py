@@ -26,11 +26,17 @@ def _fake_vllm(monkeypatch, model_class=None):
     monkeypatch.setattr(plugin.importlib.util, "find_spec", lambda name: None)   # no vllm_ascend
 
 
+def _logged(caplog):
+    """The messages alone: the reason must be in the line, not only in the traceback."""
+    return [r.getMessage() for r in caplog.records if r.name == "vllm.dflash"]
+
+
 def test_a_failing_registration_is_logged_and_replaces_nothing(monkeypatch, caplog):
     _fake_vllm(monkeypatch)   # the DFlash model module is missing
     with caplog.at_level(logging.ERROR, logger="vllm.dflash"):
         plugin.register()
-    assert "not installed" in caplog.text and "qwen3_dflash" in caplog.text
+    [line] = _logged(caplog)
+    assert "not installed (ModuleNotFoundError" in line and "qwen3_dflash" in line
 
     class Renamed:   # a vLLM whose class lacks the method the plugin replaces
         def other(self):
@@ -40,7 +46,8 @@ def test_a_failing_registration_is_logged_and_replaces_nothing(monkeypatch, capl
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="vllm.dflash"):
         plugin.register()
-    assert "precompute_and_store_context_kv" in caplog.text
+    [line] = _logged(caplog)
+    assert "(AttributeError" in line and "precompute_and_store_context_kv" in line
     assert not hasattr(Renamed, "precompute_and_store_context_kv")
 
 
@@ -55,17 +62,30 @@ def test_a_working_registration_replaces_the_method(monkeypatch):
     assert DFlashQwen3Model.precompute_and_store_context_kv.dflash_stock is stock
 
 
+def _servable_model(layers=2, hkv=1, d=8, h=16):
+    """The attributes context_kv reads of a draft the op serves, over (key, value) caches."""
+    attn = types.SimpleNamespace(v_scale=None, rotary_emb=types.SimpleNamespace(rotary_dim=d))
+    return types.SimpleNamespace(
+        _num_attn_layers=layers, _num_kv_heads=hkv, _head_dim=d, _rms_norm_eps=1e-6,
+        _hidden_norm_weight=torch.ones(h), _fused_kv_weight=torch.zeros(layers * 2 * hkv * d, h),
+        _fused_kv_bias=None, _k_norm_weights=torch.ones(layers, d), _rope_is_neox=True,
+        _rope_cos_sin_cache=torch.zeros(64, d), layers=[types.SimpleNamespace(self_attn=attn)],
+        _attn_layers=[types.SimpleNamespace(kv_cache=(torch.zeros(2, 4, hkv, d),) * 2)
+                      for _ in range(layers)])
+
+
 def test_per_layer_slot_mappings_fall_back_unless_shared(monkeypatch):
     calls = []
-    monkeypatch.setattr(plugin, "_supported", lambda model: calls.append(model) or False)
-    a, b = torch.arange(4), torch.arange(4)
-    model = types.SimpleNamespace(_num_attn_layers=2)
+    # context_kv looks the op up as torch.ops.dflash.context_kv at call time
+    monkeypatch.setattr(torch.ops.dflash, "context_kv", lambda *args: calls.append(args[8]))
+    model, states, positions = _servable_model(), torch.zeros(4, 16), torch.arange(4)
+    a, b = torch.arange(4), torch.arange(4)   # equal values, distinct tensors
     for differing in ({"layers.0.attn": a, "layers.1.attn": b}, [a, b], {}, []):
-        assert plugin.context_kv(model, torch.zeros(4, 8), torch.arange(4), differing) is False
-    assert calls == []   # fell back before looking at the model or calling the op
+        assert plugin.context_kv(model, states, positions, differing) is False
+    assert calls == []   # vLLM's own function runs; the op never saw a mapping
     for shared in ({"layers.0.attn": a, "layers.1.attn": a}, [a, a], (a,), a):
-        assert plugin.context_kv(model, torch.zeros(4, 8), torch.arange(4), shared) is False
-    assert calls == [model] * 4   # got as far as the model check, with one tensor
+        assert plugin.context_kv(model, states, positions, shared) is True
+    assert len(calls) == 4 and all(s is a for s in calls)   # the one shared tensor
 
 
 @pytest.mark.parametrize("given", [None, {"layer": None}])

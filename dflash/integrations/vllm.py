@@ -50,8 +50,10 @@ def register() -> None:
     failure is logged and leaves vLLM as it was (install() patches one attribute, last)."""
     try:
         _register()
-    except Exception:
-        logger.exception("dflash plugin: not installed; vLLM runs with its own functions")
+    except Exception as error:
+        # the reason in the line itself, not only in the traceback a log format may drop
+        logger.exception("dflash plugin: not installed (%s: %s); vLLM runs with its own "
+                         "functions", type(error).__name__, error)
 
 
 def _register() -> None:
@@ -70,7 +72,9 @@ def _register() -> None:
 
 def install() -> None:
     """Replace DFlashQwen3Model.precompute_and_store_context_kv (whatever serves it now: vLLM's
-    own, or a platform's patch of it) by `context_kv` below; idempotent."""
+    own, or a platform's patch of it) by `context_kv` below; idempotent. Everything is looked up
+    and built first and the class patched by one assignment, last, so a failure (caught and
+    logged by register) leaves vLLM's function in place."""
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
     stock = DFlashQwen3Model.precompute_and_store_context_kv
@@ -107,8 +111,8 @@ def context_kv(model, context_states: torch.Tensor, context_positions: torch.Ten
     (it only profiles memory), per-layer slot mappings, or a draft / cache the op does not serve.
 
     context_states: [N, H] (fc already applied); context_positions: [N]; context_slot_mapping:
-    [N], or one per layer as a list or a mapping by layer name (vLLM builds differ), used only
-    when every layer has the same tensor."""
+    [N], or one per layer as a list or a mapping by layer name (vLLM builds differ): that is used
+    only when every layer has the same tensor; per-layer mappings that differ return False."""
     context_slot_mapping = _one_slot_mapping(context_slot_mapping)
     if context_slot_mapping is None:
         return False
