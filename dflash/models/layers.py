@@ -192,13 +192,13 @@ def rope_cos_sin(cfg: AttentionConfig, max_positions: int) -> torch.Tensor:
     d = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     if cfg.rope_scaling is not None:
-        inv_freq = _llama3_scaling(inv_freq, **cfg.rope_scaling)
+        inv_freq = llama3_scaling(inv_freq, **cfg.rope_scaling)
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def _llama3_scaling(inv_freq, factor, low_freq_factor, high_freq_factor,
-                    original_max_position_embeddings):
+def llama3_scaling(inv_freq, factor, low_freq_factor, high_freq_factor,
+                   original_max_position_embeddings):
     """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
     blend in between."""
     low_wavelen = original_max_position_embeddings / low_freq_factor

@@ -10,6 +10,7 @@ tensor before the concatenation and reads only its own part.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from .config import ConfigError, DraftConfig, TargetConfig
 from .draft import DFlashDraft
+from .layers import llama3_scaling
 from .parallel import COLS, EXPERTS, RANK0, ROWS, VOCAB, TensorParallel, check_config
 from .target import TargetModel
 
@@ -132,7 +134,10 @@ class SafetensorsCheckpoint:
 
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            named = set(json.loads(index.read_text())["weight_map"].values())
+            for name in named:
+                _check_shard_name(name, index)
+            files = sorted(named)
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
@@ -140,9 +145,6 @@ class SafetensorsCheckpoint:
         self._handles, self._where = [], {}
         for name in files:
             path = directory / name
-            if not path.resolve().is_relative_to(directory.resolve()):
-                raise CheckpointError(f"shard {name!r} listed in {index.name} is outside the "
-                                      f"checkpoint directory {directory}")
             if not path.exists():
                 raise CheckpointError(f"shard {path} listed in the index does not exist")
             handle = safe_open(str(path), framework="pt")
@@ -162,6 +164,15 @@ class SafetensorsCheckpoint:
     def lazy(self, name: str):
         """The tensor unread: slicing it reads only the slice."""
         return self._where[name].get_slice(name)
+
+
+def _check_shard_name(name, index: Path) -> None:
+    """A shard named by the index must be a relative path inside the checkpoint directory: a
+    hostile index could otherwise make the loader open any file. Checked on the name, not the
+    resolved path, so symlinked shards (the Hugging Face cache's) still load."""
+    if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"shard {name!r} listed in {index} is outside the checkpoint "
+                              f"directory")
 
 
 class DictCheckpoint:
@@ -258,18 +269,15 @@ def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
     if arch not in _GGUF_ARCHS:
         raise ConfigError(f"GGUF architecture {arch!r} is not supported; "
                           f"supported: {', '.join(_GGUF_ARCHS)}")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        # Llama 3.x: per-dimension RoPE frequency factors (its "llama3" rope scaling), which the
-        # RoPE tables here do not apply: refused rather than decoded with the wrong positions
-        raise ConfigError(f"{path.name}: Llama-3 RoPE scaling (rope_freqs.weight) in GGUF files "
-                          "is not supported; load the model's Hugging Face checkpoint instead "
-                          "(its rope_scaling is)")
     meta = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
     heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
-    tensors = {}
+    tensors, rope_freqs = {}, None
     for t in reader.tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.array(values, dtype=np.float32))   # a writable copy
+        if t.name == "rope_freqs.weight":
+            rope_freqs = w
+            continue
         if t.name in _GGUF_GLOBAL_NAMES:
             tensors[_GGUF_GLOBAL_NAMES[t.name]] = w
             continue
@@ -289,14 +297,50 @@ def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
         "num_hidden_layers": meta("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": meta("attention.key_length", hidden // heads),
+        "head_dim": meta("attention.key_length"),   # absent: hidden_size / heads
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": meta("rope.freq_base", 10000.0),
         "max_position_embeddings": meta("context_length", 4096),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if rope_freqs is not None:   # Llama 3.x
+        cfg["rope_scaling"] = _llama3_rope_scaling(rope_freqs, cfg["rope_theta"], path)
     return cfg, DictCheckpoint(tensors)
+
+
+def _llama3_rope_scaling(divisors: torch.Tensor, theta: float, path: Path) -> dict | None:
+    """The Hugging Face `llama3` rope_scaling behind a GGUF's rope_freqs.weight. llama.cpp's
+    converter stores it as one divisor per frequency: 1 for short wavelengths, `factor` for long
+    ones, between them 1 / ((1 - s) / factor + s) with s linear in 1 / wavelength; that line is
+    fitted here. It fixes only two ratios of the three length fields, so low_freq_factor is taken
+    as 1 (every Llama 3.x release's): the same divisors, hence the same RoPE table."""
+    divisors = divisors.double()
+    if torch.all(divisors == 1):
+        return None
+    d = 2 * len(divisors)
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    factor = divisors.max().item()
+    blend = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    scaling = None
+    if blend.sum() >= 2:   # two points fix the line
+        s = (1 / divisors[blend] - 1 / factor) / (1 - 1 / factor)
+        # s = (original_max / wavelength - 1) / (high_freq_factor - 1)
+        slope, intercept = np.polyfit((inv_freq[blend] / (2 * math.pi)).numpy(), s.numpy(), 1)
+        if intercept < 0:
+            scaling = {"factor": _round(factor), "low_freq_factor": 1.0,
+                       "high_freq_factor": _round(1 - 1 / intercept),
+                       "original_max_position_embeddings": _round(-slope / intercept)}
+    if scaling is None or not torch.allclose(llama3_scaling(inv_freq, **scaling),
+                                             inv_freq / divisors, rtol=1e-4, atol=0):
+        raise ConfigError(f"{path.name}: rope_freqs.weight {divisors.float().tolist()} is not a "
+                          f"Llama-3 RoPE scaling (rope_type llama3) that can be rebuilt")
+    return {"rope_type": "llama3", **scaling}
+
+
+def _round(x: float) -> float:
+    """6 significant digits: the round values a config holds (8.0, 4.0, 8192.0), not fit noise."""
+    return float(f"{x:.6g}")
 
 
 # ---------------------------------------------------------------------------------- public

@@ -41,10 +41,7 @@ def _ranks(tp: TensorParallel | None) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None,
-                 max_positions: int | None = None):
-        """`max_positions`: the longest sequence served (sizes the RoPE table; see
-        layers.rope_positions)."""
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
         super().__init__()
         a = cfg.attn
         n = _ranks(tp)
@@ -91,10 +88,7 @@ class MoE(nn.Module):
     """Top-k routed experts; each expert runs only on the tokens routed to it. Under tensor
     parallelism each rank holds a run of the experts and the partial outputs are summed."""
 
-    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None,
-                 max_positions: int | None = None):
-        """`max_positions`: the longest sequence served (sizes the RoPE table; see
-        layers.rope_positions)."""
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel | None = None):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.attn.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
