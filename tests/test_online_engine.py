@@ -8,7 +8,7 @@ import torch
 
 from dflash import LLM, SamplingParams
 from dflash.engine import LLMEngine
-from dflash.engine.detokenizer import IncrementalDetokenizer, decode
+from dflash.engine.detokenizer import IncrementalDetokenizer
 from dflash.testing import CharTokenizer, make_tiny_pair, save_byte_tokenizer
 
 B = 8
@@ -285,76 +285,3 @@ def test_10000_requests_leave_the_engine_s_memory_flat(models):
     assert llm.metrics()["requests"] == 10000
     assert grown < 100_000, [str(s) for s in after.compare_to(before, "lineno")[:5]]
 
-
-CLEANUP_TEXT = "x = 'string' , isn't it ? we 're done . don't 'm 's 've café 🙂 !"
-
-
-def _cleanup_tokenizers(tmp_path):
-    """Tokenizers that ship `clean_up_tokenization_spaces=True` (as Llama-3's do): byte-level BPE
-    with merges for the words the cleanup rewrites, and a SentencePiece-style one (▁ marker,
-    byte fallback). transformers 4.x applies the cleanup to such BPE tokenizers; 5.x only when
-    forced, which is how the test makes it happen."""
-    from tokenizers import Tokenizer, decoders
-    from tokenizers import models as tok_models
-    from transformers import PreTrainedTokenizerFast
-
-    merges = (("Ġ", "'"), ("Ġ'", "s"), ("Ġ", ","), ("Ġ", "."), ("n", "'"), ("n'", "t"),
-              ("Ġ", "?"), ("Ġ", "!"), ("Ġ'", "m"), ("Ġ'", "r"), ("Ġ'r", "e"), ("Ã", "©"))
-    byte_level = save_byte_tokenizer(tmp_path / "byte", merges=merges)
-    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
-    for piece in ("▁", "▁'", "▁,", "▁.", "▁?", "▁!", "n't", "x", "=", "'", "▁is", "▁'s"):
-        vocab.setdefault(piece, len(vocab))
-    sp = Tokenizer(tok_models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                    decoders.Fuse()])
-    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
-    for tok in (byte_level, sentencepiece):
-        tok.clean_up_tokenization_spaces = True
-        tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
-    return {"byte-level": byte_level, "sentencepiece": sentencepiece}
-
-
-def _sp_ids(tok, text):
-    """Greedy longest-piece ids of `text` (spaces as ▁) in the SentencePiece-style vocabulary."""
-    vocab, ids, rest = tok.get_vocab(), [], text.replace(" ", "▁")
-    while rest:
-        piece = next(rest[:n] for n in range(min(len(rest), 4), 0, -1) if rest[:n] in vocab
-                     or n == 1)
-        ids += [vocab[piece]] if piece in vocab else [vocab[f"<0x{b:02X}>"]
-                                                      for b in piece.encode()]
-        rest = rest[len(piece):]
-    return ids
-
-
-@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
-def test_streamed_text_equals_the_decode_with_cleanup_tokenizers(tmp_path, kind):
-    tok = _cleanup_tokenizers(tmp_path)[kind]
-    ids = tok.encode(CLEANUP_TEXT, add_special_tokens=False) if kind == "byte-level" \
-        else _sp_ids(tok, CLEANUP_TEXT)
-    assert tok.decode(ids) != CLEANUP_TEXT   # the cleanup rewrites the model's text
-    detok, deltas = _stream(tok, ids)
-    assert "".join(deltas) == detok.text == decode(tok, ids) == CLEANUP_TEXT
-    # stop strings are matched against that text: one spanning the rewritten spaces stops it
-    stop = " 're"
-    detok, _ = _stream(tok, ids, (stop,))
-    assert detok.stop_reason == stop and detok.text == CLEANUP_TEXT[:CLEANUP_TEXT.index(stop)]
-
-
-def test_many_stop_strings_the_earliest_match_wins(tmp_path):
-    tok = _byte_tokenizer(tmp_path)
-    text = "alpha beta gamma delta epsilon"
-    ids = tok.encode(text, add_special_tokens=False)
-    absent = tuple(f"zz{i}q" for i in range(60))
-
-    def run(stop):
-        detok, deltas = _stream(tok, ids, stop)
-        return detok, "".join(deltas)
-
-    detok, streamed = run(absent)   # negative control: nothing stops
-    assert detok.stop_reason is None and streamed == text
-    # the first one completed ends the request: "a g" (in "beta gamma") before "ta ga"
-    detok, streamed = run(absent + ("delta", "ta ga", "gamma", "a g"))
-    assert detok.stop_reason == "a g" and streamed == detok.text == "alpha bet"
-    # completed by the same token, the one that starts earlier wins
-    detok, streamed = run(absent + ("lta", "elta"))
-    assert detok.stop_reason == "elta" and streamed == detok.text == "alpha beta gamma d"

@@ -1,12 +1,18 @@
 """Incremental detokenization and stop strings (docs/design.md 4.5).
 
 A request's text is `decode(tokenizer, output ids)`: the tokenizer's decode without special
-tokens and without Hugging Face's `clean_up_tokenization_spaces`, a heuristic that rewrites the
-model's output (" '" -> "'", " ," -> ",", " n't" -> "n't") and, applied to a window of tokens,
-would not even agree with itself from one window to the next (vLLM decodes without it too).
+tokens and without Hugging Face's `clean_up_tokenization_spaces`, i.e. the text the model
+produced. dflash never applies that cleanup heuristic, whatever the tokenizer's config says
+(Llama-3's ship with it on): it rewrites the model's output (" '" -> "'", " ," -> ",",
+" n't" -> "n't"), and applied to a window of tokens it does not even agree with itself from one
+window to the next, so a stream of `x = 'string'` came out as `x = 'tring'` (vLLM decodes without
+it too). What the tokenizer's own decoder does (a WordPiece decoder's per-token cleanup, a
+Metaspace decoder's leading-space strip) is part of its decode and is kept. Tokenizers whose
+`decode` takes no `clean_up_tokenization_spaces` (a bare `tokenizers.Tokenizer`) have no such
+step and are called without it (looked up once per tokenizer class).
 
-Text is produced token by token, as streaming needs it, and is always what decoding the whole
-output at once gives:
+Text is produced token by token, as streaming needs it, and is what decoding the whole output
+at once gives (one corner below):
 
 - Each new token is decoded together with the few tokens before it (`decode(ids[prefix:])` minus
   `decode(ids[prefix:read])`), so tokenizers that treat a leading space or a merge differently at
@@ -23,19 +29,43 @@ output at once gives:
   tie, the string first in sorted order).
 - Streamed deltas hold back the last `len(longest stop string) - 1` characters until the request
   finishes, since they may be the start of a match: the concatenated deltas equal the final text.
+
+One corner where the streamed text can differ from the full decode: a SentencePiece byte-fallback
+decoder (Llama-2, Mistral) turns a whole run of <0xNN> tokens into U+FFFD when the run is not
+valid UTF-8, so a valid character spelled in byte tokens that the model follows with stray bytes
+(never valid UTF-8) has already been streamed as that character. Text that is valid UTF-8, and
+every byte-level BPE (GPT-2, Llama-3, Qwen) output, valid or not, streams exactly.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 
 REPLACEMENT = "\ufffd"
 
+_TAKES_CLEANUP: dict[type, bool] = {}   # tokenizer class -> its decode takes the cleanup flag
+
+
+def _takes_cleanup_flag(tokenizer) -> bool:
+    cls = type(tokenizer)
+    if cls not in _TAKES_CLEANUP:
+        try:
+            params = inspect.signature(tokenizer.decode).parameters.values()
+        except (TypeError, ValueError):   # no signature to read: not a transformers tokenizer
+            params = ()
+        _TAKES_CLEANUP[cls] = any(p.name == "clean_up_tokenization_spaces"
+                                  or p.kind is p.VAR_KEYWORD for p in params)
+    return _TAKES_CLEANUP[cls]
+
 
 def decode(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
-    """The text of `ids` as dflash reports it (see the module docstring)."""
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                            clean_up_tokenization_spaces=False)
+    """The text of `ids` as dflash reports it: `tokenizer.decode` without special tokens (by
+    default) and without `clean_up_tokenization_spaces` (see the module docstring)."""
+    if _takes_cleanup_flag(tokenizer):
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
