@@ -15,9 +15,10 @@ import torch
 from dflash import LLM
 from dflash.models import load_draft, load_target
 from dflash.models.config import ConfigError, DraftConfig, TargetConfig
-from dflash.models.layers import rope_cos_sin
+from dflash.models.layers import DEFAULT_ROPE_POSITIONS, rope_cos_sin
 from dflash.models.loader import CheckpointError
 from dflash.testing import make_tiny_draft, make_tiny_target, sequence_metadata
+from dflash.train import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,17 @@ def test_rope_tables_never_exceed_max_position_embeddings(tmp_path):
     make_tiny_target(tmp_path / "target", "qwen3")   # max_position_embeddings 512
     assert load_target(tmp_path / "target", torch.float32,
                        max_positions=10**6).cos_sin.shape[0] == 512
+
+
+def test_a_trained_draft_covers_every_position_of_its_target(pair, tmp_path):
+    """Training rows are as long as the length the target served (dflash train's
+    --max-model-len), which may pass the rows a loader told no length gives (32768)."""
+    served = DEFAULT_ROPE_POSITIONS + 100
+    target = load_target(pair[0], torch.float32, max_positions=served)
+    rows = [{"index": i, "prompt_ids": [1, 2], "answer_ids": [3, 4, 5]} for i in range(2)]
+    trainer = Trainer(target, rows, tmp_path, TrainConfig(num_layers=1, heldout=1,
+                                                          cache_features=False))
+    assert trainer.draft.cos_sin.shape[0] == target.cos_sin.shape[0] == served
 
 
 # -------------------------------------------------------------------------- d. config fields

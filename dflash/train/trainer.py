@@ -70,9 +70,11 @@ def draft_config(target: TargetModel, tc: TrainConfig) -> DraftConfig:
                        target_layer_ids=tuple(ids))
 
 
-def init_draft(cfg: DraftConfig, target_hidden: int, seed: int) -> DFlashDraft:
-    """A trainable draft: float32 weights ~ N(0, 0.02), norm weights 1."""
-    draft = DFlashDraft(cfg, target_hidden)
+def init_draft(cfg: DraftConfig, target_hidden: int, seed: int,
+               max_positions: int | None = None) -> DFlashDraft:
+    """A trainable draft: float32 weights ~ N(0, 0.02), norm weights 1. `max_positions`: the
+    longest training sequence (its RoPE table's rows, as for DFlashDraft)."""
+    draft = DFlashDraft(cfg, target_hidden, max_positions)
     g = torch.Generator().manual_seed(seed)
     for name, p in list(draft.named_parameters()):
         value = torch.ones(p.shape) if name.endswith("norm") else \
@@ -174,7 +176,10 @@ class Trainer:
         if not self.train_rows:
             raise ValueError("no training answers (each needs at least 2 answer tokens)")
         self.cfg = draft_config(target, tc)
-        self.draft = init_draft(self.cfg, target.cfg.attn.hidden_size, tc.seed)
+        # the draft sees every position its target does (the target's table: the length served
+        # when the answers were generated), not the loaders' default bound
+        self.draft = init_draft(self.cfg, target.cfg.attn.hidden_size, tc.seed,
+                                target.cos_sin.shape[0])
         if tc.draft_vocab_size:
             self.draft.draft_vocab = frequent_tokens(self.train_rows, tc.draft_vocab_size)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=tc.lr,
