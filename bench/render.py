@@ -1,0 +1,335 @@
+"""Render docs/performance.md from the benchmark results in bench/results/*.json.
+
+Every figure of the documentation lives in those JSON files, written by the benchmarks
+(`dflash bench`, bench/bench_*.py); this script turns them into tables, each with the host line
+the JSON records (`dflash.host.summary`) and the command that produced it, and renders the
+README's one results table between its two marker lines. Prose elsewhere links to
+docs/performance.md instead of copying numbers; tests/test_performance_doc.py fails when a
+committed file differs from what this script renders.
+
+    python bench/render.py            # rewrites docs/performance.md and the README's results table
+    python bench/render.py --check    # exit status 1 if either is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # this checkout's dflash and bench
+
+from bench.bench_serve import markdown as serve_table  # noqa: E402
+from bench.common import RESULTS, _fmt  # noqa: E402
+from dflash import host  # noqa: E402
+
+OUT = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
+# the README's one results table sits between these lines, rendered by readme_table()
+BEGIN = "<!-- results table: rendered by python bench/render.py from bench/results -->"
+END = "<!-- end of results table -->"
+HELD_OUT = "mkdir -p runs && tail -n 20 data/gsm8k/train.jsonl > runs/gsm8k-heldout.jsonl"
+
+# `dflash bench` runs: (JSON stem, title, flags the JSON does not record, note)
+END_TO_END = [
+    ("bench_gsm8k-heldout", "GSM8K held-out, the host's own ISA", "--recalibrate",
+     "The 20 questions are the last 20 of `data/gsm8k/train.jsonl`, which the bundled draft never "
+     "trained on."),
+    ("bench_gsm8k-heldout-no-bf16", "GSM8K held-out, bf16 units hidden", "--recalibrate",
+     "The same questions with oneDNN limited to AVX512_CORE: a CPU without bf16 dot-product or "
+     "matrix units, seen on the same host (`host.bf16_gemm` then takes column panels)."),
+    ("bench_humaneval", "HumanEval, concurrency 32", "--recalibrate",
+     "Code, which the GSM8K-trained draft predicts poorly: the engine skips most draft passes."),
+]
+
+# micro-benchmarks written by bench/common.write: (JSON stem, title, command, note)
+TABLES = [
+    ("engine", "Engine cost", "python bench/bench_engine.py",
+     "SmolLM2-135M, batch 1, 100 cached tokens, the bundled draft, each dtype forced. t(k): one "
+     "target step over k new tokens; draft step: one draft pass over a 16-token block. The bf16 "
+     "row went through oneDNN's bf16 GEMMs, not the pair panels the engine uses on this kind of "
+     "host; the cost models above are the current engine's."),
+    ("sampled", "Sampled decoding", "python bench/bench_sampled.py --dtype bfloat16 "
+     "--num-prompts 16",
+     "Temperature 0.7, fixed blocks, 128 tokens, seeds 0..15; the shares are of the decode time."),
+    ("tp", "Tensor parallelism", "python bench/bench_tp.py",
+     "A small random Qwen3 target (float32, greedy), TP=2 over gloo against TP=1 on the same "
+     "cores; the draft is random too, so none of its drafts is accepted. On one CPU host TP buys "
+     "no bandwidth: what the table shows is the cost of the collectives per step."),
+    ("context_kv", "`context_kv`", "python bench/bench_context_kv.py",
+     "The Qwen3-8B draft's shape (H 4096, D_in 20480, 5 layers, 8 KV heads, head dim 128). floor: "
+     "the bare two GEMMs; eager: the unfused PyTorch composition; compile: `torch.compile` of it."),
+    ("paged_attention", "`paged_attention`, draft shape", "python bench/bench_paged_attention.py",
+     "Hq 32, Hkv 8, D 128, 16 non-causal queries per sequence; composition: gather + SDPA."),
+    ("paged_attention_1thread", "`paged_attention`, draft shape, 1 thread",
+     "python bench/bench_paged_attention.py --threads 1", ""),
+    ("paged_attention_target", "`paged_attention`, target uses",
+     "python bench/bench_paged_attention.py",
+     "Model (query heads / KV heads / head dim); prefill and draft blocks use the matrix engine "
+     "where the CPU has AMX, decode and verify the vector path."),
+    ("paged_attention_target_1thread", "`paged_attention`, target uses, 1 thread",
+     "python bench/bench_paged_attention.py --threads 1", ""),
+    ("rejection_sample", "`rejection_sample`", "python bench/bench_rejection_sample.py",
+     "V 151936, K 15; reference: the PyTorch specification; composition: a batched PyTorch "
+     "composition; compile: `torch.compile` of it; of copy: against a plain copy of the bytes "
+     "read."),
+    ("rejection_sample_1thread", "`rejection_sample`, 1 thread",
+     "python bench/bench_rejection_sample.py --threads 1", ""),
+    ("rejection_sample_reads", "`rejection_sample` without input checks",
+     "python bench/bench_rejection_sample.py --reads-only",
+     "The engine's call (`validate=False`) against reading three vocabulary rows per sequence."),
+    ("panel_linear", "`panel_linear`", "python bench/bench_panel_linear.py",
+     "All of SmolLM2-135M's weights per pass (538 MB in float32) for 1-128 rows: float32 column "
+     "panels against `F.linear` (MKL), bf16 column panels against float32 panels, bf16 pair "
+     "panels against oneDNN's bf16 GEMM."),
+    ("noise", "Sampling noise", "python bench/bench_noise.py",
+     "`dflash.noise.exponential` (counter-based Philox, one exponential race per row) against "
+     "torch's `exponential_` for the same shape; ratio: the first's time over the second's."),
+]
+SERVE, VLLM = "bench_serve_gsm8k-heldout", "bench_vllm"
+NOT_RENDERED = {"bench_vllm_runs"}   # every run's counters behind bench_vllm.json's table
+
+
+def rendered() -> list[str]:
+    """The stems of bench/results/*.json that docs/performance.md shows."""
+    return [s for s, *_ in END_TO_END] + [SERVE, VLLM] + [s for s, *_ in TABLES]
+
+
+def host_line(info: dict) -> str:
+    """The host as the JSON records it: `host.summary` where the flags were recorded."""
+    extra = ", ".join(filter(None, (f"torch {info['torch']}" if "torch" in info else "",
+                                    f"{info['capability']} kernels" if "capability" in info
+                                    else "")))
+    if all(flag in info for flag in host.FLAGS):
+        line = host.summary({"cpu_family": "", "onednn_max_cpu_isa": "", **info})
+    else:
+        threads = info.get("threads", "?")
+        line = f"{info.get('cpu', 'unknown CPU')} (model name and flags not recorded), " \
+               f"{threads} thread{'' if threads == 1 else 's'}"
+    return line + (f"; {extra}" if extra else "")
+
+
+def table(columns: list[str], rows: list[list]) -> str:
+    """A markdown table; floats as bench/common.write prints them."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join("" if v is None else _fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def bench_command(data: dict, extra: str) -> str:
+    """The `dflash bench` command line of a JSON, from what it records."""
+    rows = data["rows"]
+    first = rows[0]
+    parts = []
+    isa = data["host"].get("onednn_max_cpu_isa")
+    if isa:
+        parts.append(f"ONEDNN_MAX_CPU_ISA={isa}")
+    parts += ["dflash bench", f"--dataset {first['dataset']}", f"--num-prompts {first['prompts']}",
+              "--concurrency " + ",".join(str(r["concurrency"]) for r in rows),
+              f"--rounds {first['rounds']}", f"--max-tokens {data['max_tokens']}"]
+    modes = list(data["engines"])
+    if modes != ["adaptive", "fixed", "target_only"]:
+        parts.append("--modes " + ",".join(modes))
+    if data["dtype"] != "auto":
+        parts.append(f"--dtype {data['dtype']}")
+    if data["temperature"]:
+        parts.append(f"--temperature {data['temperature']}")
+    return " ".join(parts + ([extra] if extra else []))
+
+
+def end_to_end(stem: str, title: str, extra: str, note: str) -> str:
+    data = json.loads((RESULTS / f"{stem}.json").read_text())
+    modes = list(data["engines"])
+    columns = ["concurrency", "adaptive tok/s"]
+    columns += ["fixed tok/s"] if "fixed" in modes else []
+    columns += ["target-only tok/s", "adaptive speedup (per round)"]
+    columns += ["fixed speedup"] if "fixed" in modes else []
+    columns += ["tau (adaptive)", "drafts verified per request-step", "steps without the draft",
+                "texts equal to target-only"]
+    rows = []
+    for r in data["rows"]:
+        m = r["modes"]["adaptive"]
+        rounds = ", ".join(_x(s) for s in r["speedup_per_round"])
+        row = [r["concurrency"], f"{r['tok_s']:.1f}"]
+        row += [f"{r['fixed_tok_s']:.1f}"] if "fixed" in modes else []
+        row += [f"{r['target_only_tok_s']:.1f}", f"{_x(r['speedup'])} ({rounds})"]
+        row += [_x(r["fixed_speedup"])] if "fixed" in modes else []
+        row += [f"{r['tau']:.2f}", f"{r['mean_verify_length']:.2f}",
+                f"{m['draft_skipped_steps']} of {m['decode_steps']}",
+                f"{r['identical']}/{r['prompts']}"]
+        rows.append(row)
+    first = data["rows"][0]
+    dtypes = sorted({e["dtype"] for e in data["engines"].values()})
+    cost = data["engines"]["adaptive"]["cost_model"]
+    return "\n\n".join([
+        f"### {title}",
+        f"{first['target']} + {first['draft']}, greedy, {data['max_tokens']} tokens, "
+        f"{first['prompts']} prompts, {first['rounds']} rounds; dtype chosen: "
+        f"{', '.join(dtypes)}. {note}",
+        f"Host: {host_line(data['host'])} (`bench/results/{stem}.json`, plot: "
+        f"`bench/results/{stem}.png`)",
+        f"```bash\n{bench_command(data, extra)}\n```",
+        table(columns, rows),
+        "The adaptive engine's calibrated cost model (ms):",
+        cost_table(cost)])
+
+
+def cost_table(cost: dict) -> str:
+    labels = [("target_ms", "verify pass, n rows"),
+              ("decode_ms", "decode pass, n sequences (one row each)"),
+              ("draft_ms", f"draft pass, n sequences x {cost['block_size'] - 1} drafts"),
+              ("draft_one_ms", "draft pass, n sequences x 1 draft")]
+    ns = sorted({int(n) for key, _ in labels for n in cost.get(key, {})})
+    rows = [[label, *(cost[key].get(str(n)) for n in ns)] for key, label in labels if key in cost]
+    return table(["n", *map(str, ns)], rows)
+
+
+def serving() -> str:
+    stem = SERVE
+    data = json.loads((RESULTS / f"{stem}.json").read_text())
+    flags = []
+    for key, value in data["args"].items():
+        if value is None or value is False or key == "out":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        else:
+            text = "inf" if isinstance(value, float) and math.isinf(value) else value
+            flags.append(f"{flag} {text}")
+    return "\n\n".join([
+        "## Serving",
+        "`dflash serve` on the bundled pair under streamed chat requests (the held-out questions, "
+        "greedy), all sent at once with at most `concurrency` in flight: DFlash (adaptive, dtype "
+        "auto) against the same server without the draft. Latencies in ms as mean / median / P99 "
+        "(TTFT: time to first token, TPOT: per output token after the first, ITL: between "
+        "streamed chunks, a DFlash chunk carrying every token of its step, E2EL: end to end); "
+        "acceptance from the server's `vllm:spec_decode_*` counters (rate: accepted / verified "
+        "draft tokens, as vLLM defines it).",
+        f"Host: not recorded in `bench/results/{stem}.json` (`bench_serve.py` records its "
+        "arguments only). The server ran the engine with one time correction per kind of step, "
+        "not the cost model of the end-to-end tables above ([design.md](design.md) section 7).",
+        f"```bash\n{HELD_OUT}\npython bench/bench_serve.py {' '.join(flags)}\n```",
+        serve_table(data["rows"])])
+
+
+def vllm() -> str:
+    data = json.loads((RESULTS / f"{VLLM}.json").read_text())
+    columns = list(data["rows"][0])
+    return "\n\n".join([
+        "## vLLM",
+        "Stock vLLM, vLLM with the dflash plugin and dflash's own engine on the bundled pair "
+        "(float32, the Hugging Face copy of the target), the last 4 held-out questions, greedy, "
+        "96 tokens, each engine in its own process. \"context K/V\" is the wall time of "
+        "`DFlashQwen3Model.precompute_and_store_context_kv` per draft step (the function the "
+        "plugin replaces); \"dflash (fixed)\" verifies all 15 drafts every step, as vLLM does. "
+        "The dflash rows ran without the engine's current cost model and held-back draft "
+        "context. Every run's counters: `bench/results/bench_vllm_runs.json`; why stock "
+        "vLLM's tau is lower: [vllm.md](vllm.md).",
+        f"Host: {host_line(data['machine'])}; vLLM 0.32.0 (CPU build, eager) "
+        f"(`bench/results/{VLLM}.json`)",
+        "```bash\n.venv-vllm/bin/python bench/bench_vllm.py --prompts 4 --max-tokens 96 "
+        "--concurrency 1,4\n```",
+        table(columns, [[r.get(c) for c in columns] for r in data["rows"]])])
+
+
+def micro(stem: str, title: str, command: str, note: str) -> str:
+    data = json.loads((RESULTS / f"{stem}.json").read_text())
+    columns = list(data["rows"][0])
+    return "\n\n".join(filter(None, [
+        f"### {title}", note, f"Host: {host_line(data['machine'])} (`bench/results/{stem}.json`)",
+        f"```bash\n{command}\n```",
+        table(columns, [[r.get(c) for c in columns] for r in data["rows"]])]))
+
+
+def readme_table() -> str:
+    """The README's results table: the headline `dflash bench` run, with its host."""
+    stem = END_TO_END[0][0]
+    data = json.loads((RESULTS / f"{stem}.json").read_text())
+    rows = [[r["concurrency"], f"{r['tok_s']:.1f}", f"{r['target_only_tok_s']:.1f}",
+             _x(r["speedup"]), f"{r['tau']:.2f}", f"{r['identical']}/{r['prompts']}"]
+            for r in data["rows"]]
+    first = data["rows"][0]
+    prose = (f"`{bench_command(data, '')}`: the bundled pair, greedy, {first['prompts']} GSM8K "
+             f"questions the draft never trained on, dtype and verify lengths chosen by the "
+             f"engine. Host: {host_line(data['host'])}.")
+    return "\n\n".join([
+        BEGIN,
+        textwrap.fill(prose, 100, break_long_words=False, break_on_hyphens=False),
+        table(["concurrency", "DFlash tok/s", "target-only tok/s", "speedup", "tau",
+               "texts equal to target-only"], rows),
+        END])
+
+
+def readme(text: str) -> str:
+    """`text` (the README) with its results table re-rendered."""
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"{README} has no results table between {BEGIN!r} and {END!r}")
+    return head + readme_table() + tail
+
+
+def render() -> str:
+    parts = [
+        "# Performance",
+        "<!-- Generated by `python bench/render.py` from bench/results/*.json: do not edit by "
+        "hand; rerun the benchmark, then the script. -->",
+        "Every table below is rendered from a JSON file in `bench/results/`, with the host that "
+        "JSON records and the command that wrote it (run from the repository root). Every ratio "
+        "compares with a baseline measured in the same run; figures from different tables, "
+        "hosts or runs do not compare. Speed depends on the host: whether bf16 GEMMs have matrix "
+        "units (AMX) or AVX512-BF16 dot products changes the cost of a verify pass several-fold, "
+        "which is why the engine measures its host ([design.md](design.md) section 4.4). On the "
+        "shared VMs these were measured on, whole runs of the same command differ noticeably, so "
+        "compare modes within one table.",
+        "## End to end: `dflash bench`",
+        "\"adaptive\" chooses each sequence's verify length every step, \"fixed\" verifies all 15 "
+        "drafts every step, \"target-only\" is the same engine without the draft. tok/s include "
+        "prefill; `--rounds N` runs the modes back to back in alternating order N times and "
+        "reports tok/s over all rounds and each round's speedup. \"texts equal\" counts prompts "
+        "whose tokens equal target-only's.",
+        f"```bash\n{HELD_OUT}\n```",
+        *(end_to_end(*spec) for spec in END_TO_END),
+        serving(),
+        vllm(),
+        "## Engine, sampling, tensor parallelism and kernels",
+        "Kernel baselines: the unfused PyTorch composition and `torch.compile` of it (for "
+        "`panel_linear`: torch's `F.linear`); a column's name says which way its ratio goes "
+        "(\"speedup\", \"vs ...\": the baseline's time over the kernel's). "
+        "`python bench/run_all.py` runs every kernel benchmark. A host shown as bare `x86_64` "
+        "comes from a JSON without the CPU model and flags; the "
+        "`context_kv`, `paged_attention` and `rejection_sample` tables among them come from a "
+        "2-core VM with AMX and AVX512-BF16 (Sapphire Rapids class).",
+        *(micro(*spec) for spec in TABLES),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="compare with docs/performance.md instead of writing it")
+    args = parser.parse_args(argv)
+    wanted = {OUT: render(), README: readme(README.read_text())}
+    stale = [path for path, text in wanted.items() if path.read_text() != text]
+    if args.check:
+        for path in stale:
+            print(f"{path} is out of date: run python bench/render.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
