@@ -39,33 +39,15 @@ every byte-level BPE (GPT-2, Llama-3, Qwen) output, valid or not, streams exactl
 
 from __future__ import annotations
 
-import inspect
 import re
 
 REPLACEMENT = "\ufffd"
 
-_TAKES_CLEANUP: dict[type, bool] = {}   # tokenizer class -> its decode takes the cleanup flag
-
-
-def _takes_cleanup_flag(tokenizer) -> bool:
-    cls = type(tokenizer)
-    if cls not in _TAKES_CLEANUP:
-        try:
-            params = inspect.signature(tokenizer.decode).parameters.values()
-        except (TypeError, ValueError):   # no signature to read: not a transformers tokenizer
-            params = ()
-        _TAKES_CLEANUP[cls] = any(p.name == "clean_up_tokenization_spaces"
-                                  or p.kind is p.VAR_KEYWORD for p in params)
-    return _TAKES_CLEANUP[cls]
-
-
 def decode(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
     """The text of `ids` as dflash reports it: `tokenizer.decode` without special tokens (by
     default) and without `clean_up_tokenization_spaces` (see the module docstring)."""
-    if _takes_cleanup_flag(tokenizer):
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                clean_up_tokenization_spaces=False)
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
