@@ -4,7 +4,7 @@
 // streamed through the unified buffer in tiles; every "argmax over the vocabulary" (greedy target
 // rows, the residual r / exponential of a rejected position, the bonus token) is one pass over the
 // tiles that keeps the first index of the maximum, exactly like torch.argmax. Acceptance coins are
-// scalar reads. The host launcher has validated every input (dflash/checks.py rules).
+// scalar reads. The host launcher has validated every input (dflash/ops/checks.py rules).
 #include "kernel_common.h"
 
 namespace {

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's dflash and bench
 
 from bench.common import timeit, write  # noqa: E402
-from dflash import ops, reference  # noqa: E402
-from dflash.testing import context_kv_inputs  # noqa: E402
+from dflash import ops  # noqa: E402
+from dflash.ops import reference  # noqa: E402
+from dflash.ops.cases import context_kv_inputs  # noqa: E402
 
 SHAPE = dict(d_in=5 * 4096, h=4096, layers=5, hkv=8, d=128, block_size=16)
 

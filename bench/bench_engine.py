@@ -39,11 +39,11 @@ def step_costs(llm: LLM) -> dict:
     request.block_table = list(range(-(-(CONTEXT + b) // worker.kv_block_size)))
     request.num_cached, request.output_ids = CONTEXT, [1]
     drafts = torch.randint(0, 1000, (1, b - 1))
-    costs = {"verify_ms": timeit(lambda: worker.run_validate([request], [b - 1], drafts,
+    costs = {"verify_ms": timeit(lambda: worker.verify([request], [b - 1], drafts,
                                                              None)) * 1e3}
     if worker.draft is not None:
-        inputs = worker.prepare_query_inputs([request])
-        costs["draft_ms"] = timeit(lambda: worker.run_decode_draft(inputs)) * 1e3
+        inputs = worker.block_inputs([request])
+        costs["draft_ms"] = timeit(lambda: worker.draft_forward(inputs)) * 1e3
     return costs
 
 

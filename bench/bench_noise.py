@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dfl
 import torch  # noqa: E402
 from common import write  # noqa: E402
 
-from dflash import noise  # noqa: E402
 from dflash.engine.cost_model import fastest_seconds  # noqa: E402
+from dflash.sampling import noise  # noqa: E402
 
 SHAPES = [(4, 49152), (16, 151936)]
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dflash  # noqa: E402
 from bench.common import copy_bandwidth, timeit, write  # noqa: E402
-from dflash.testing import paged_attention_inputs  # noqa: E402
+from dflash.ops.cases import paged_attention_inputs  # noqa: E402
 
 
 def composition(query, key, value, key_cache, value_cache, block_table, context_lens,

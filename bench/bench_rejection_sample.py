@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from common import copy_bandwidth, timeit, write  # noqa: E402
 
 import dflash  # noqa: E402
-from dflash import reference  # noqa: E402
-from dflash.testing import rejection_sample_inputs  # noqa: E402
+from dflash.ops import reference  # noqa: E402
+from dflash.ops.cases import rejection_sample_inputs  # noqa: E402
 
 V, K = 151936, 15
 

@@ -56,7 +56,7 @@ def main() -> None:
     op = Stopwatch(ops, "rejection_sample")
     rows = []
     for concurrency in (1, 4):
-        llm.max_num_seqs = concurrency
+        llm.engine.max_num_seqs = concurrency
         params = [SamplingParams(temperature=0.7, max_tokens=args.max_tokens, seed=i)
                   for i in range(len(prompts))]
         llm.generate(prompts[:2], SamplingParams(temperature=0.7, max_tokens=32))   # warm-up

@@ -18,11 +18,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dflash
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # its tiny-model helpers
 
 from common import write  # noqa: E402
 
 from dflash import LLM, SamplingParams  # noqa: E402
-from dflash.testing import make_tiny_draft, make_tiny_target  # noqa: E402
+
+from helpers import make_tiny_draft, make_tiny_target  # noqa: E402
 
 SHAPE = dict(vocab_size=16000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, head_dim=64)

@@ -87,8 +87,9 @@ TABLES = [
      "panels against `F.linear` (MKL), bf16 column panels against float32 panels, bf16 pair "
      "panels against oneDNN's bf16 GEMM."),
     ("noise", "Sampling noise", "python bench/bench_noise.py",
-     "`dflash.noise.exponential` (counter-based Philox, one exponential race per row) against "
-     "torch's `exponential_` for the same shape; ratio: the first's time over the second's."),
+     "`dflash.sampling.noise.exponential` (counter-based Philox, one exponential race per row) "
+     "against torch's `exponential_` for the same shape; ratio: the first's time over the "
+     "second's."),
 ]
 SERVE, VLLM = "bench_serve_gsm8k-heldout", "bench_vllm"
 NOT_RENDERED = {"bench_vllm_runs"}   # every run's counters behind bench_vllm.json's table

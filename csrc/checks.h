@@ -1,5 +1,5 @@
 // Input validation of the ops, shared by the CPU kernels (csrc/cpu) and the Ascend host code
-// (csrc/npu/ascend_host.h): the rules, order and messages of dflash/checks.py, so one bad-input
+// (csrc/npu/ascend_host.h): the rules, order and messages of dflash/ops/checks.py, so one bad-input
 // test suite covers every implementation. Value checks read host memory; the NPU host copies the
 // small index tensors to the CPU first.
 #pragma once

@@ -2,7 +2,7 @@
 //
 // Implementations register elsewhere: the CPU kernels in csrc/cpu/ (built once per CPU capability
 // and loaded at import time), the NPU launchers in csrc/npu/ (only with --device npu), and the fake
-// (meta) functions plus any reference fallbacks from dflash/_library.py.
+// (meta) functions plus any reference fallbacks from dflash/ops/registry.py.
 #include <Python.h>
 #include <torch/library.h>
 

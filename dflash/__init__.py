@@ -1,6 +1,6 @@
 """DFlash block-diffusion speculative decoding for Qwen3-family targets (CPU and Ascend NPU)."""
 
-from . import _library, ops  # noqa: F401  (registers torch.ops.dflash.*)
+from . import ops  # noqa: F401  (registers torch.ops.dflash.*)
 from .engine import LLM
 from .sampling import SamplingParams
 

@@ -51,7 +51,7 @@ def load_dataset(name: str, num_prompts: int) -> list[str]:
 
 
 def _run(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int):
-    llm.max_num_seqs = concurrency
+    llm.engine.max_num_seqs = concurrency
     llm.generate(prompts[:1], SamplingParams(max_tokens=8))   # warm-up, excluded
     llm.reset_metrics()
     llm.worker.prefill_seconds = 0.0

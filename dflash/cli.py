@@ -195,7 +195,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .engine import LLM
+    from .engine import EngineArgs, LLMEngine
 
     try:
         from .serve import Server
@@ -203,24 +203,28 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"dflash serve: {e}", file=sys.stderr)
         return 2
     target = resolve_target(args.target)
-    llm = LLM(target, resolve_draft(args), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, speculation=args.speculation,
-              recalibrate=args.recalibrate)
-    if llm.tokenizer is None:
-        print("dflash serve: the target has no tokenizer", file=sys.stderr)
-        return 2
-    with llm:
-        return Server(llm, args.served_model_name or _target_name(args.target), host=args.host,
-                      port=args.port, grace_period=args.grace_period, root=str(target),
+    engine = LLMEngine(EngineArgs(
+        target, resolve_draft(args), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, speculation=args.speculation,
+        recalibrate=args.recalibrate), isolate_errors=True)
+    try:
+        if engine.tokenizer is None:
+            print("dflash serve: the target has no tokenizer", file=sys.stderr)
+            return 2
+        return Server(engine, args.served_model_name or _target_name(args.target),
+                      host=args.host, port=args.port, grace_period=args.grace_period,
+                      root=str(target),
                       log_level=args.log_level, api_key=args.api_key, max_queue=args.max_queue,
                       max_request_bytes=args.max_request_bytes,
                       stream_timeout=args.stream_timeout,
                       trust_request_chat_template=args.trust_request_chat_template,
                       allowed_hosts=tuple(args.allowed_hosts)).run()
+    finally:
+        engine.close()
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
-    from . import selfcheck
+    from .ops import selfcheck
 
     return 0 if selfcheck.run() else 1
 

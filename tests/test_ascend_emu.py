@@ -7,6 +7,7 @@ emulation must stop it with an error naming the rule; where the job can be done 
 
 import pytest
 import torch
+
 from ascend_emu import ops
 
 SENTINEL = 7.0

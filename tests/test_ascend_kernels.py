@@ -1,4 +1,4 @@
-"""dflash's Ascend C kernels, compiled for x86 against the emulation, against dflash.reference.
+"""dflash's Ascend C kernels, compiled for x86 against the emulation, against dflash.ops.reference.
 
 rejection_sample must return the reference's tokens exactly (same noise); context_kv must write
 K within one ulp of a bfloat16/float16 cache (float32 caches: within 1e-6, only the summation order
@@ -7,10 +7,11 @@ of the sum of squares differs), V exactly, and leave every other slot untouched.
 
 import pytest
 import torch
-from ascend_emu import ops
 
-from dflash import reference
-from dflash.testing import context_kv_inputs, rejection_sample_inputs
+from dflash.ops import reference
+from dflash.ops.cases import context_kv_inputs, rejection_sample_inputs
+
+from ascend_emu import ops
 
 
 @pytest.fixture

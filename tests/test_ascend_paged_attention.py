@@ -1,5 +1,5 @@
 """dflash's Ascend C paged_attention kernel, compiled for x86 against the emulation, against
-dflash.reference.paged_attention.
+dflash.ops.reference.paged_attention.
 
 The case matrix is the CPU kernel's: head_dim 64 / 128; GQA groups 1, 2, 4, 8; cache blocks of 16,
 32 and 128 tokens; ragged batches whose sequences have 0, 1, 15, 16, 17 and 1000 cached tokens and
@@ -11,10 +11,11 @@ import itertools
 
 import pytest
 import torch
-from ascend_emu import ops
 
-from dflash import reference
-from dflash.testing import paged_attention_inputs
+from dflash.ops import reference
+from dflash.ops.cases import paged_attention_inputs
+
+from ascend_emu import ops
 
 CONTEXT_LENS = (0, 1, 15, 16, 17, 1000)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}

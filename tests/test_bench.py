@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from dflash import bench
-from dflash.testing import CharTokenizer, make_tiny_draft, make_tiny_target
+
+from helpers import CharTokenizer, make_tiny_draft, make_tiny_target
 
 
 def test_accepted_length_histogram_from_prefix_counts():

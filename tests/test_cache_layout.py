@@ -4,9 +4,9 @@ into that cache in place (dflash.integrations.cache_layout; no framework needed)
 import pytest
 import torch
 
-from dflash import reference
 from dflash.integrations import cache_layout
-from dflash.testing import context_kv_inputs
+from dflash.ops import reference
+from dflash.ops.cases import context_kv_inputs
 
 NB, BS, HKV, D = 5, 16, 2, 32
 

@@ -15,7 +15,9 @@ from dflash.engine.request import Request
 from dflash.engine.step import decode_step
 from dflash.engine.worker import Worker
 from dflash.models import load_draft, load_target
-from dflash.testing import context_kv_inputs, hf_greedy, make_tiny_pair, rejection_sample_inputs
+from dflash.ops.cases import context_kv_inputs, rejection_sample_inputs
+
+from helpers import hf_greedy, make_tiny_pair
 
 B, TOKENS, KV_BLOCK = 8, 64, 16
 PROMPTS = [[(5 * i + 11 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([7, 19, 3])]

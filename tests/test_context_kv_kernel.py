@@ -11,13 +11,13 @@ import itertools
 import pytest
 import torch
 
-from dflash import _library, reference
-from dflash.testing import context_kv_inputs
+from dflash.ops import reference, registry
+from dflash.ops.cases import context_kv_inputs
 
 
 @pytest.fixture(autouse=True)
 def _kernel_is_loaded():
-    assert _library.has_kernel("context_kv"), "the compiled context_kv kernel is not loaded"
+    assert registry.has_kernel("context_kv"), "the compiled context_kv kernel is not loaded"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from dflash.engine.detokenizer import IncrementalDetokenizer, decode
-from dflash.testing import CharTokenizer
+
+from helpers import CharTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")

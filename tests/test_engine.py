@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dflash import LLM, SamplingParams
-from dflash.testing import hf_greedy, make_tiny_draft, make_tiny_pair, make_tiny_target
+
+from helpers import hf_greedy, make_tiny_draft, make_tiny_pair, make_tiny_target
 
 B = 8
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
@@ -77,13 +78,13 @@ def test_scripted_acceptance_every_length_and_exact_metrics(models, baseline):
     plans = {tuple(p): plan for p, plan in zip(prompts, [
         list(range(B)), [B - 1, 0, 3], [0, 0, 6, 2], [5, B - 1, 1]])}
     llm = LLM(target, dtype="float32", max_num_seqs=4, block_size=B)
-    llm.proposer = ScriptedProposer({tuple(p): o.token_ids for p, o in zip(prompts, long)},
+    llm.worker.proposer = ScriptedProposer({tuple(p): o.token_ids for p, o in zip(prompts, long)},
                                     plans, 96)
     outs = llm.generate(prompts, SamplingParams(max_tokens=60))
     seen = set()
     for p, o, ref in zip(prompts, outs, long):
         assert o.token_ids == ref.token_ids[:60]
-        used = llm.proposer.used[tuple(p)]
+        used = llm.worker.proposer.used[tuple(p)]
         seen.update(used)
         # the last step may commit past max_tokens; acceptance is what the sampler decided
         assert o.metrics.num_drafts == len(used)
@@ -91,7 +92,7 @@ def test_scripted_acceptance_every_length_and_exact_metrics(models, baseline):
         assert o.metrics.accepted_per_position == [sum(a > i for a in used) for i in range(B - 1)]
     assert seen == set(range(B))
     totals = llm.metrics()
-    assert totals["num_accepted_tokens"] == sum(sum(u) for u in llm.proposer.used.values())
+    assert totals["num_accepted_tokens"] == sum(sum(u) for u in llm.worker.proposer.used.values())
     assert totals["mean_acceptance_length"] == pytest.approx(
         1 + totals["num_accepted_tokens"] / totals["num_drafts"])
 
@@ -102,7 +103,8 @@ def test_stop_token_inside_accepted_block(models, baseline):
     stop = ref[13]
     first = ref.index(stop)
     llm = LLM(target, dtype="float32", block_size=B)
-    llm.proposer = ScriptedProposer({tuple(PROMPTS[3]): ref}, {tuple(PROMPTS[3]): [B - 1]}, 96)
+    llm.worker.proposer = ScriptedProposer({tuple(PROMPTS[3]): ref},
+                                           {tuple(PROMPTS[3]): [B - 1]}, 96)
     out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=40, stop_token_ids=[stop]))[0]
     assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
 
@@ -194,21 +196,22 @@ def test_draft_vocabulary_limits_proposals_and_stays_lossless(models, baseline, 
     # fixed: every step drafts (the adaptive planner may skip every draft on a loaded host)
     llm = LLM(target, tmp_path / "draft", dtype="float32", max_num_seqs=4, speculation="fixed")
     proposed = []
-    llm.proposer = lambda inputs: proposed.append(llm.worker.run_decode_draft(inputs)) or \
+    llm.worker.proposer = lambda inputs: proposed.append(llm.worker.draft_forward(inputs)) or \
         proposed[-1]
     sp = SamplingParams(max_tokens=24)
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], sp)] == \
         [o.token_ids for o in baseline.generate(PROMPTS[:4], sp)]
     assert set(torch.cat([d.flatten() for d, _ in proposed]).tolist()) <= set(vocab)
     llm.worker.draft_sampling = "sample"
-    drafts, q = llm.worker.run_decode_draft(llm.worker.prepare_query_inputs(
+    drafts, q = llm.worker.draft_forward(llm.worker.block_inputs(
         [r for r in _running(llm, PROMPTS[:2])]))
     assert torch.allclose(q.sum(-1), torch.ones(())) and (q[..., 1::2] == 0).all()
 
 
 def _running(llm, prompts):
     """Requests after prefill, ready for a decode step."""
-    requests = [llm._request(p, SamplingParams(temperature=1.0, seed=0)) for p in prompts]
+    params = SamplingParams(temperature=1.0, seed=0)
+    requests = [llm.engine.processor.request(p, params) for p in prompts]
     for r in requests:
         llm.allocator.grow(r.block_table, len(r.prompt_ids) + 32)
     for r, t in zip(requests, llm.worker.prefill(requests)):
@@ -268,7 +271,7 @@ def test_chi_square_catches_coins_that_reuse_the_race_noise(small_vocabulary, mo
     wins the race: its frequency falls from 0.074 to about 0.035. With twice the draws of the
     test above the chi-square statistic is expected near 165 (176 with these seeds), over 5
     standard deviations above the threshold of 31 (at 3000 draws about 3)."""
-    from dflash import noise
+    from dflash.sampling import noise
 
     monkeypatch.setattr(noise, "COINS", noise.TARGET_RACE)
     pvalue, _ = _second_token_pvalue(small_vocabulary, "greedy", 6000)

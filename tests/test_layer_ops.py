@@ -5,8 +5,10 @@ writes, clear errors for bad input, and the fake implementations."""
 import pytest
 import torch
 
-from dflash import _library, ops, reference, testing
-from dflash.testing import (
+from dflash import ops
+from dflash.ops import reference, registry
+from dflash.ops.cases import (
+    LAYER_OP_INPUTS,
     add_rms_norm_inputs,
     panel_linear_inputs,
     qkv_rope_cache_inputs,
@@ -18,7 +20,7 @@ from dflash.testing import (
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-INPUTS = testing.LAYER_OP_INPUTS
+INPUTS = LAYER_OP_INPUTS
 
 
 def _run(fn, args):
@@ -281,6 +283,6 @@ def test_opcheck_pair_panels():
 
 
 def test_every_layer_op_has_inputs_and_a_kernel():
-    assert set(INPUTS) == set(_library.LAYER_OPS)
-    for op in _library.LAYER_OPS:
+    assert set(INPUTS) == set(registry.LAYER_OPS)
+    for op in registry.LAYER_OPS:
         assert ops.implementation(op).startswith("kernel"), op

@@ -17,8 +17,9 @@ from dflash.models import load_draft, load_target
 from dflash.models.config import ConfigError, DraftConfig, TargetConfig
 from dflash.models.layers import DEFAULT_ROPE_POSITIONS, rope_cos_sin
 from dflash.models.loader import CheckpointError
-from dflash.testing import make_tiny_draft, make_tiny_target, sequence_metadata
 from dflash.train import TrainConfig, Trainer
+
+from helpers import make_tiny_draft, make_tiny_target, sequence_metadata
 
 
 @pytest.fixture(scope="module")

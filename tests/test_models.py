@@ -15,12 +15,13 @@ from dflash.models import (
     load_target,
 )
 from dflash.models.layers import is_panels, linear, pack_linear_weight, unpacked
-from dflash.testing import (
+from dflash.ops.cases import rope_cache
+
+from helpers import (
     TINY_TARGETS,
     make_tiny_draft,
     make_tiny_target,
     packed_weight_dtypes,
-    rope_cache,
     sequence_metadata,
 )
 
@@ -457,8 +458,9 @@ def test_packed_draft_computes_the_unpacked_block_forward(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_layer_functions_use_the_fused_ops_for_inference_and_autograd_for_training(dtype):
-    from dflash import ops, reference
+    from dflash import ops
     from dflash.models.layers import add_rms_norm, rms_norm, rope, silu_and_mul
+    from dflash.ops import reference
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(16, 9, 64, generator=g) * 3).to(dtype)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash import noise
+from dflash.sampling import noise
 
 ALPHA = 1e-3
 

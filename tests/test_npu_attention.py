@@ -1,11 +1,11 @@
-"""The run-time choice of paged attention backend on NPUs (dflash.npu_attention).
+"""The run-time choice of paged attention backend on NPUs (dflash.ops.npu_attention).
 
 No NPU here: the fused_infer path is exercised with a stand-in for torch_npu whose
 `npu_fused_infer_attention_score` follows that op's documented semantics for the one call form
 dflash makes (TND queries, paged K/V through a block table, per-sequence key counts, sparse_mode 0
 without mask or 3 with the 2048 x 2048 upper-triangular mask). It checks dflash's side: the cache
-writes, layouts, lengths and masks, against dflash.reference. Whether the real op agrees with its
-documentation can only be checked on an NPU.
+writes, layouts, lengths and masks, against dflash.ops.reference. Whether the real op agrees with
+its documentation can only be checked on an NPU.
 """
 
 import os
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import dflash
-from dflash import npu_attention, reference
-from dflash.testing import paged_attention_inputs
+from dflash.ops import npu_attention, reference
+from dflash.ops.cases import paged_attention_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,8 +129,8 @@ def test_cpu_tensors_ignore_the_choice_and_never_import_torch_npu(tmp_path):
     (tmp_path / "torch_npu" / "__init__.py").write_text("raise ImportError('imported torch_npu')\n")
     script = textwrap.dedent("""
         import sys, torch, dflash
-        from dflash import reference
-        from dflash.testing import paged_attention_inputs
+        from dflash.ops import reference
+        from dflash.ops.cases import paged_attention_inputs
         args = paged_attention_inputs(causal=True)
         torch.testing.assert_close(dflash.ops.paged_attention(**args),
                                    reference.paged_attention(**args))

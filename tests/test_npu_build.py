@@ -3,7 +3,8 @@
 the project asks of it, and a stub torch_npu package (a directory, never imported by this process).
 Nothing is compiled; this catches typos and wiring mistakes in the scripts. The NPU launchers
 (csrc/npu) are syntax-checked against stub declarations of the CANN / torch_npu APIs they call, and
-loading a built library (dflash._library) is checked with stand-ins for the library and torch_npu.
+loading a built library (dflash.ops.registry) is checked with stand-ins for the library and
+torch_npu.
 """
 
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import _library
+from dflash.ops import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,13 +165,13 @@ def test_the_launch_goes_to_the_callers_stream(tmp_path):
 def test_a_built_npu_library_is_loaded_after_torch_npu(monkeypatch):
     loaded = []
     spec = types.SimpleNamespace(origin="/site/dflash/_npu_kernels.so")
-    monkeypatch.setattr(_library.importlib.util, "find_spec",
+    monkeypatch.setattr(registry.importlib.util, "find_spec",
                         lambda name: spec if name == "dflash._npu_kernels" else None)
     fake_torch_npu = types.ModuleType("torch_npu")
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu)
     monkeypatch.setattr(torch.ops, "load_library",
                         lambda path: loaded.append((path, "torch_npu" in sys.modules)))
-    assert _library._load_npu_kernels() == spec.origin
+    assert registry._load_npu_kernels() == spec.origin
     assert loaded == [(spec.origin, True)]
 
     def broken(path):
@@ -178,8 +179,8 @@ def test_a_built_npu_library_is_loaded_after_torch_npu(monkeypatch):
 
     monkeypatch.setattr(torch.ops, "load_library", broken)
     with pytest.warns(RuntimeWarning, match="NPU kernels .* not loaded .*libascendcl"):
-        assert _library._load_npu_kernels() is None
+        assert registry._load_npu_kernels() is None
 
 
 def test_without_an_npu_build_nothing_is_loaded():
-    assert _library.NPU_KERNELS is None and "torch_npu" not in sys.modules
+    assert registry.NPU_KERNELS is None and "torch_npu" not in sys.modules

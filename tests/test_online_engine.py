@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from dflash import LLM, SamplingParams
-from dflash.engine import LLMEngine
 from dflash.engine.detokenizer import IncrementalDetokenizer
-from dflash.testing import CharTokenizer, make_tiny_pair, save_byte_tokenizer
+
+from helpers import CharTokenizer, make_tiny_pair, save_byte_tokenizer, serving_engine
 
 B = 8
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
@@ -42,7 +42,7 @@ def _run(engine):
 
 
 def test_requests_join_between_steps_and_match_offline(llm, reference):
-    engine = LLMEngine(llm)
+    engine = llm.engine
     first = [engine.add_request(p, SamplingParams(max_tokens=48)) for p in PROMPTS[:3]]
     streamed = {i: [] for i in first}
     for _ in range(3):
@@ -65,7 +65,7 @@ def test_requests_join_between_steps_and_match_offline(llm, reference):
 
 
 def test_abort_frees_blocks_before_the_next_step(llm, reference):
-    engine = LLMEngine(llm)
+    engine = llm.engine
     ids = [engine.add_request(p, SamplingParams(max_tokens=48)) for p in PROMPTS[:6]]
     engine.step()   # 4 run, 2 wait
     running = {r.request_id for r in engine.running}
@@ -108,7 +108,7 @@ def test_stop_string_across_tokens_and_inside_an_accepted_block(models, referenc
     stop = text[13:16]             # three tokens, found mid-block
     first = text.index(stop)
     llm = LLM(target, dtype="float32", block_size=B, tokenizer=tok)
-    llm.proposer = FullAcceptance(ref + [0] * B)
+    llm.worker.proposer = FullAcceptance(ref + [0] * B)
     out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=48, stop=[stop, "never-seen"]))[0]
     assert out.text == text[:first] and out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == ref[:first + len(stop)]    # tokens after the match are dropped
@@ -199,8 +199,9 @@ def test_stop_string_holds_back_streamed_text(tmp_path):
     assert "".join(deltas) == "one\ntwo" == detok.text and detok.stop_reason == "\n\n"
 
 
-def test_a_failing_request_is_isolated(llm, reference):
-    engine = LLMEngine(llm, isolate_errors=True)
+def test_a_failing_request_is_isolated(llm, reference, monkeypatch):
+    engine = llm.engine
+    monkeypatch.setattr(engine, "isolate_errors", True)
     original = llm.worker.step
     bad = [3, 3, 3]
 
@@ -221,6 +222,7 @@ def test_a_failing_request_is_isolated(llm, reference):
     assert [outs[i][-1].output.token_ids for i in ids] == reference[:2]
     assert llm.allocator.num_free == llm.allocator.num_blocks
     # without isolation (generate) the error propagates and no block leaks
+    monkeypatch.setattr(engine, "isolate_errors", False)
     llm.worker.step = step
     try:
         with pytest.raises(RuntimeError, match="injected fault"):
@@ -238,18 +240,17 @@ def test_stop_strings_need_a_tokenizer(models):
         SamplingParams(stop=[""])
 
 
-def test_a_request_whose_commit_fails_is_isolated(llm, reference):
+def test_a_request_whose_commit_fails_is_isolated(llm, reference, monkeypatch):
     """Committing tokens (detokenizer, stop strings, on_tokens) fails one request, not all."""
-    failing = []
 
-    def on_tokens(request_id, new):
-        if request_id in failing:
-            raise RuntimeError("commit fault")
+    def on_tokens(new):
+        raise RuntimeError("commit fault")
 
-    engine = LLMEngine(llm, isolate_errors=True, on_tokens=on_tokens)
-    ids = [engine.add_request(p, SamplingParams(max_tokens=48), detokenize=True)
-           for p in PROMPTS[:3]]
-    failing.append(ids[1])
+    engine = llm.engine
+    monkeypatch.setattr(engine, "isolate_errors", True)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=48), detokenize=True,
+                              on_tokens=on_tokens if i == 1 else None)
+           for i, p in enumerate(PROMPTS[:3])]
     outs = _run(engine)
     failed = outs[ids[1]][-1]
     assert failed.finish_reason == "error" and "commit fault" in failed.output.error
@@ -260,8 +261,8 @@ def test_a_request_whose_commit_fails_is_isolated(llm, reference):
 
 def test_10000_requests_leave_the_engine_s_memory_flat(models):
     """Finished requests leave running totals behind, not per-request records."""
-    llm = LLM(models[0], dtype="float32", max_num_seqs=16, tokenizer=CharTokenizer())
-    engine = LLMEngine(llm, isolate_errors=True)
+    engine = serving_engine(models[0], dtype="float32", max_num_seqs=16,
+                            tokenizer=CharTokenizer())
     params = SamplingParams(max_tokens=1, stop=("zz",))
 
     def serve(n):
@@ -282,6 +283,6 @@ def test_10000_requests_leave_the_engine_s_memory_flat(models):
     finally:
         tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
-    assert llm.metrics()["requests"] == 10000
+    assert engine.metrics()["requests"] == 10000
     assert grown < 100_000, [str(s) for s in after.compare_to(before, "lineno")[:5]]
 

@@ -1,12 +1,13 @@
 """The op registry: schemas, fake tensors, clear errors for bad input in every implementation."""
 
-import ascend_emu
 import pytest
 import torch
 
 import dflash
-from dflash import reference
-from dflash.testing import context_kv_inputs, paged_attention_inputs, rejection_sample_inputs
+from dflash.ops import reference
+from dflash.ops.cases import context_kv_inputs, paged_attention_inputs, rejection_sample_inputs
+
+import ascend_emu
 
 OPS = {
     "context_kv": context_kv_inputs,
@@ -154,21 +155,21 @@ def test_bad_input_raises_clear_error(op, impl):
 
 
 def test_implementation_report(monkeypatch):
-    from dflash import _library
+    from dflash.ops import registry
 
     # the test build compiles every CPU kernel: each op reports the loaded capability's kernel
-    assert _library.CPU_CAPABILITY in ("AVX512", "AVX2", "DEFAULT")
-    for op in _library.OPS:
-        assert dflash.ops.implementation(op) == f"kernel ({_library.CPU_CAPABILITY})", op
-    monkeypatch.setattr(_library, "has_kernel", lambda op: False)
+    assert registry.CPU_CAPABILITY in ("AVX512", "AVX2", "DEFAULT")
+    for op in registry.OPS:
+        assert dflash.ops.implementation(op) == f"kernel ({registry.CPU_CAPABILITY})", op
+    monkeypatch.setattr(registry, "has_kernel", lambda op: False)
     assert dflash.ops.implementation("rejection_sample") == "reference"
     with pytest.raises(ValueError, match="unknown dflash op"):
         dflash.ops.implementation("matmul")
 
 
 def test_selfcheck_runs_every_op_against_the_reference(capsys):
-    from dflash import _library, selfcheck
+    from dflash.ops import registry, selfcheck
 
     assert selfcheck.run()
     lines = capsys.readouterr().out.splitlines()
-    assert {line.split()[0] for line in lines} == set(_library.OPS)
+    assert {line.split()[0] for line in lines} == set(registry.OPS)

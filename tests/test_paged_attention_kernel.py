@@ -12,13 +12,13 @@ import random
 import pytest
 import torch
 
-from dflash import _library, reference
-from dflash.testing import paged_attention_inputs
+from dflash.ops import reference, registry
+from dflash.ops.cases import paged_attention_inputs
 
 
 @pytest.fixture(autouse=True)
 def _kernel_is_loaded():
-    assert _library.has_kernel("paged_attention"), \
+    assert registry.has_kernel("paged_attention"), \
         "the compiled paged_attention kernel is not loaded (pip install --no-build-isolation -e .)"
 
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dflash import reference
-from dflash.testing import context_kv_inputs, paged_attention_inputs, rope_cache
+from dflash.ops import reference
+from dflash.ops.cases import context_kv_inputs, paged_attention_inputs, rope_cache
 
 # ------------------------------------------------------------------------------ context_kv
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dflash
-from dflash import reference
-from dflash.testing import rejection_sample_inputs
+from dflash.ops import reference
+from dflash.ops.cases import rejection_sample_inputs
 
 kernel = torch.ops.dflash.rejection_sample
 

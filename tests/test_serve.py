@@ -25,7 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from dflash import LLM, SamplingParams  # noqa: E402
 from dflash.serve import Server  # noqa: E402
-from dflash.testing import make_tiny_draft, make_tiny_target, save_byte_tokenizer  # noqa: E402
+
+from helpers import (  # noqa: E402
+    make_tiny_draft,
+    make_tiny_target,
+    save_byte_tokenizer,
+    serving_engine,
+)
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -51,7 +57,7 @@ def offline(pair):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    llm = LLM(*pair, dtype="float32", max_num_seqs=8)   # adaptive verify lengths
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=8)   # adaptive verify lengths
     with Server(llm, NAME, port=0, api_key=KEY) as s:
         yield s
 
@@ -217,12 +223,12 @@ def test_speculative_figures_in_the_response_and_metrics(server, offline):
 
     _wait_idle(server)
     before = _scrape(server)
-    planner, llm.planner, llm.proposer = llm.planner, None, proposer   # full blocks
+    planner, llm.planner, llm.worker.proposer = llm.planner, None, proposer   # full blocks
     try:
         r = _client(server).completions.create(model=NAME, prompt=prompt, max_tokens=40,
                                                temperature=0, extra_body={"ignore_eos": True})
     finally:
-        llm.planner, llm.proposer = planner, None
+        llm.planner, llm.worker.proposer = planner, None
     assert r.choices[0].text == offline.tokenizer.decode(ref.token_ids[:40])
     spec = r.model_extra["speculative_decoding"]
     assert spec["num_accepted_tokens"] > 20 and spec["mean_acceptance_length"] > 3
@@ -465,7 +471,7 @@ def test_bad_requests_get_4xx_naming_the_problem_and_disturb_nothing(server, off
 
 
 def test_a_full_queue_is_503_with_retry_after(pair):
-    llm = LLM(*pair, dtype="float32", max_num_seqs=1, speculation="fixed")
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=1, speculation="fixed")
     with Server(llm, NAME, port=0, max_queue=1) as s:
         texts = []
 
@@ -566,7 +572,7 @@ def test_bundled_pair_chat_through_openai_with_acceptance_in_metrics():
         target = assets.smollm2_target()
     except RuntimeError as e:
         pytest.skip(f"offline: {e}")
-    llm = LLM(target, assets.bundled_draft(), dtype="float32", max_num_seqs=2,
+    llm = serving_engine(target, assets.bundled_draft(), dtype="float32", max_num_seqs=2,
               speculation="fixed")
     with Server(llm, "SmolLM2-135M-Instruct", port=0) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)

@@ -27,7 +27,13 @@ from dflash.serve import (  # noqa: E402
     security,
     serving,
 )
-from dflash.testing import make_tiny_draft, make_tiny_target, save_byte_tokenizer  # noqa: E402
+
+from helpers import (  # noqa: E402
+    make_tiny_draft,
+    make_tiny_target,
+    save_byte_tokenizer,
+    serving_engine,
+)
 
 KEY = "hardening-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -52,7 +58,7 @@ def offline(pair):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    llm = LLM(*pair, dtype="float32", max_num_seqs=4, max_model_len=512)
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=4, max_model_len=512)
     with Server(llm, NAME, port=0, api_key=KEY) as s:
         yield s
 
@@ -122,7 +128,7 @@ def test_a_request_supplied_chat_template_is_refused_and_reserved_kwargs_are_dro
 def test_a_trusted_template_renders_off_the_event_loop(pair):
     """With --trust-request-chat-template a slow template still leaves the server responsive:
     /health answers while it renders (the rendered text is then too long and refused unencoded)."""
-    llm = LLM(pair[0], dtype="float32", max_num_seqs=2, max_model_len=256)
+    llm = serving_engine(pair[0], dtype="float32", max_num_seqs=2, max_model_len=256)
     with Server(llm, NAME, port=0, trust_request_chat_template=True) as s:
         done = {}
 
@@ -149,7 +155,7 @@ def test_a_trusted_template_renders_off_the_event_loop(pair):
 # ---------------------------------------------------------------------- bodies and prompts
 
 def test_oversized_bodies_get_413_and_a_stream_keeps_going(pair, offline):
-    llm = LLM(*pair, dtype="float32", max_num_seqs=4, max_model_len=512)
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=4, max_model_len=512)
     want = offline.generate("keep going", SamplingParams(max_tokens=100, ignore_eos=True))[0]
     with Server(llm, NAME, port=0, api_key=KEY, max_request_bytes=1 << 20) as s:
         streamed = {}
@@ -238,7 +244,7 @@ def test_stop_strings_are_bounded_and_50_of_them_work(server, offline):
 # ------------------------------------------------------------------ clients that stop reading
 
 def test_clients_that_stop_reading_release_their_slots(pair):
-    llm = LLM(pair[0], dtype="float32", max_num_seqs=2, max_model_len=4096)
+    llm = serving_engine(pair[0], dtype="float32", max_num_seqs=2, max_model_len=4096)
     with Server(llm, NAME, port=0, max_queue=0, stream_timeout=2.0) as s:
         s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)   # small kernel buffers
         body = (b'{"model": "tiny", "prompt": "never read", "max_tokens": 4000, '
@@ -305,7 +311,7 @@ def test_the_key_comes_from_the_environment_and_docs_are_closed(server, monkeypa
 
 
 def test_a_keyless_server_answers_only_its_own_host_names(pair):
-    llm = LLM(pair[0], dtype="float32", max_num_seqs=1, max_model_len=256)
+    llm = serving_engine(pair[0], dtype="float32", max_num_seqs=1, max_model_len=256)
     with Server(llm, NAME, port=0, allowed_hosts=("dflash.internal",)) as s:
         def get(host):
             return httpx.get(s.url + "/v1/models", headers={"Host": host})
@@ -375,14 +381,15 @@ def test_a_dead_engine_thread_fails_health_and_exits_non_zero(pair, tmp_path):
     script = tmp_path / "serve_and_die.py"
     script.write_text(f"""
 import sys
-from dflash import LLM
+from dflash.engine import EngineArgs, LLMEngine
 from dflash.serve import Server, runner
 
 def boom(self):
     raise RuntimeError("the engine loop broke")
 
 runner.EngineThread._step = boom
-llm = LLM({str(pair[0])!r}, dtype="float32", max_num_seqs=1, max_model_len=256)
+llm = LLMEngine(EngineArgs({str(pair[0])!r}, dtype="float32", max_num_seqs=1,
+                           max_model_len=256), isolate_errors=True)
 sys.exit(Server(llm, "tiny", port=0).run())
 """)
     root = str(Path(__file__).resolve().parents[1])

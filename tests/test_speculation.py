@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dflash import LLM, SamplingParams
-from dflash.engine import cost_model
-from dflash.engine import llm as llm_module
+from dflash.engine import cost_model, loading
 from dflash.engine.cache import BlockAllocator
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Acceptance, Planner, choose_num_drafts, step_rate
-from dflash.testing import RandomVerifySchedule, make_tiny_draft, make_tiny_pair, make_tiny_target
+
+from helpers import RandomVerifySchedule, make_tiny_draft, make_tiny_pair, make_tiny_target
 
 B = 8
 PROMPTS = [[(5 * i + 7 * j) % 90 + 1 for j in range(n)]
@@ -196,7 +196,7 @@ def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seq
     sp = [SamplingParams(max_tokens=8 + 7 * i) for i in range(len(PROMPTS))]
     expected = [o.token_ids for o in baseline.generate(PROMPTS, sp)]
     llm = LLM(target, draft, dtype=dtype, max_num_seqs=max_num_seqs)
-    llm.planner = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
+    llm.engine.planner = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == expected
     steps = llm.planner.steps
@@ -228,7 +228,7 @@ def test_sampled_tokens_follow_the_target_distribution_under_a_random_schedule(t
     n = 3000
     llm = LLM(tmp_path / "t", tmp_path / "d", dtype="float32", max_num_seqs=200,
               draft_sampling="sample")
-    llm.planner = RandomVerifySchedule(7, k_max=3)
+    llm.engine.planner = RandomVerifySchedule(7, k_max=3)
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=2, seed=s)
                                        for s in range(n)])
     observed = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]),
@@ -240,9 +240,10 @@ def test_sampled_tokens_follow_the_target_distribution_under_a_random_schedule(t
 def test_worker_rejects_a_bad_schedule(models):
     target, draft = models
     llm = LLM(target, draft, dtype="float32", speculation="fixed")
-    llm.planner = SimpleNamespace(plan=lambda rs: [B] * len(rs),   # one more than a block has
-                                  observe=lambda *a: None, observe_time=lambda *a: None,
-                                  forget=lambda i: None)
+    # one more draft than a block has
+    llm.engine.planner = SimpleNamespace(plan=lambda rs: [B] * len(rs),
+                                         observe=lambda *a: None, observe_time=lambda *a: None,
+                                         forget=lambda i: None)
     with pytest.raises(ValueError, match=r"num_drafts must hold one count in \[0, 7\]"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
     assert llm.allocator.num_free == llm.allocator.num_blocks
@@ -252,7 +253,7 @@ def test_worker_rejects_a_bad_schedule(models):
 def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, monkeypatch,
                                                                        tmp_path):
     target, draft = models
-    monkeypatch.setattr(cost_model, "CACHE_DIR", tmp_path)
+    monkeypatch.setenv("DFLASH_CALIBRATION_DIR", str(tmp_path))
     calls = []
     real = cost_model.calibrate
     monkeypatch.setattr(cost_model, "calibrate", lambda *a: calls.append(1) or real(*a))
@@ -327,17 +328,18 @@ def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured
         models, monkeypatch, caplog, tmp_path):
     target, draft = models
     caplog.set_level("INFO", logger="dflash")
-    monkeypatch.setattr(cost_model, "CACHE_DIR", tmp_path)
+    monkeypatch.setenv("DFLASH_CALIBRATION_DIR", str(tmp_path))
     fast_rows = {torch.float32: 0.01, torch.bfloat16: 0.001}   # fp32: every row costs a lot
     monkeypatch.setattr(cost_model, "calibrate", lambda worker, *a: CostModel(
         {1: 1e-3, 64: 1e-3 + 63 * fast_rows[worker.target.embed.dtype]}, {1: 1e-4, 8: 8e-4}, B))
-    monkeypatch.setattr(llm_module, "_announced", set())
+    monkeypatch.setattr(loading, "_announced", set())
     llm = LLM(target, draft, max_num_seqs=8)
     assert llm.dtype == torch.bfloat16 and llm.metrics()["dtype"] == "bfloat16"
     assert "dtype auto -> bfloat16" in caplog.text
     builds = []
-    real_build = LLM._build
-    monkeypatch.setattr(LLM, "_build", lambda self, d: builds.append(d) or real_build(self, d))
+    real_load = loading.load_target
+    monkeypatch.setattr(loading, "load_target",
+                        lambda path, dtype, *a: builds.append(dtype) or real_load(path, dtype, *a))
     assert LLM(target, draft, max_num_seqs=8).dtype == torch.bfloat16
     assert builds == [torch.bfloat16]   # both measurements cached: one model loaded
     fast_rows[torch.float32], fast_rows[torch.bfloat16] = 0.001, 0.01
@@ -364,7 +366,7 @@ def test_held_back_draft_context_gives_the_draft_what_an_immediate_write_gives(
         llm = LLM(target, draft, dtype="float32", max_num_seqs=4)
         llm.worker.defer_context = defer
         llm.worker.backlog_rows = backlog_rows
-        llm.planner = RandomVerifySchedule(3, k_max=B - 1)
+        llm.engine.planner = RandomVerifySchedule(3, k_max=B - 1)
         calls = hidden[defer] = []
         llm.worker.draft.register_forward_hook(lambda m, args, out, calls=calls:
                                                calls.append(out.clone()))
@@ -388,12 +390,12 @@ def test_the_draft_head_runs_only_for_drafts_that_can_be_verified(models):
     the full block's drafts (float32), whatever the draft's head does with the rest."""
     target, draft = models
     llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation="fixed")
-    requests = [llm._request(p, SamplingParams()) for p in PROMPTS[:3]]
+    requests = [llm.engine.processor.request(p, SamplingParams()) for p in PROMPTS[:3]]
     for r in requests:
         llm.allocator.grow(r.block_table, len(r.prompt_ids) + 2 * B)
     for r, t in zip(requests, llm.worker.prefill(requests)):
         r.append([t])
     worker = llm.worker
-    full, _ = worker.run_decode_draft(worker.prepare_query_inputs(requests))
-    few, _ = worker.run_decode_draft(worker.prepare_query_inputs(requests, 2))
+    full, _ = worker.draft_forward(worker.block_inputs(requests))
+    few, _ = worker.draft_forward(worker.block_inputs(requests, 2))
     assert full.shape == (3, B - 1) and torch.equal(few, full[:, :2])

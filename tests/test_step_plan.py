@@ -7,13 +7,14 @@ every device-to-host copy the shared host code makes (`host_copies`)."""
 
 import pytest
 import torch
-from ascend_emu import ops as emu_ops
 
 import dflash.ops
-from dflash import LLM, SamplingParams, checks, reference
-from dflash.engine import LLMEngine
+from dflash import LLM, SamplingParams
 from dflash.models.layers import build_metadata
-from dflash.testing import CharTokenizer, make_tiny_pair
+from dflash.ops import checks, reference
+
+from ascend_emu import ops as emu_ops
+from helpers import CharTokenizer, make_tiny_pair
 
 B = 4
 PROMPTS = [[(5 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([6, 11, 3, 9])]
@@ -88,7 +89,7 @@ def _decode(llm, emu, plan_checked=True):
     step made (the first step, which runs the prefill, is not counted)."""
     if not plan_checked:   # the ops validate every call, as direct calls do
         llm.worker.num_kv_blocks = None
-    engine = LLMEngine(llm)
+    engine = llm.engine
     ids = [engine.add_request(p, _params(i)) for i, p in enumerate(PROMPTS)]
     outputs, copies = {}, []
     first = True

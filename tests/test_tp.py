@@ -13,7 +13,8 @@ from dflash import LLM, SamplingParams
 from dflash.cli import main
 from dflash.models import ConfigError, load_target
 from dflash.models.parallel import TensorParallel
-from dflash.testing import RandomVerifySchedule, make_tiny_draft, make_tiny_target
+
+from helpers import RandomVerifySchedule, make_tiny_draft, make_tiny_target
 
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)] for i, n in enumerate([5, 12, 3, 20])]
 # the MoE target also has an odd vocabulary (a zero-padded last shard), tied embeddings and a
@@ -120,10 +121,10 @@ def test_tp2_generates_exactly_what_tp1_does(models, kind):
         assert llm.allocator.num_free == llm.allocator.num_blocks
         with pytest.raises(RuntimeError, match="already initialized"):
             _llm(target, draft, tp_size=2)
-        llm.proposer = lambda inputs: None
+        llm.worker.proposer = lambda inputs: None
         with pytest.raises(ValueError, match="proposer is not supported"):
             llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
-        llm.proposer = None   # the group is still usable
+        llm.worker.proposer = None   # the group is still usable
         assert llm.generate(PROMPTS, greedy)[2].token_ids == expected[0][2]
 
 
@@ -135,7 +136,7 @@ def test_tp2_adaptive_calibrates_through_the_group_and_stays_exact(models):
     expected = [o.token_ids for o in _llm(target, draft).generate(PROMPTS, greedy)]
     with _llm(target, draft, tp_size=2, tp_timeout=60, speculation="adaptive") as llm:
         assert sorted(llm.cost_model.draft_s) == [1, 2, 3]
-        llm.planner = RandomVerifySchedule(3, k_max=7)
+        llm.engine.planner = RandomVerifySchedule(3, k_max=7)
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected
         assert llm.metrics()["draft_skipped_steps"] > 0
         assert llm.allocator.num_free == llm.allocator.num_blocks
@@ -162,7 +163,7 @@ def _fail_follower_mid_run(signal_number, **kw):
     """Generate with TP=2 and send `signal_number` to rank 1 once tokens flow; returns the
     error raised (within 60 s) and the stopped LLM."""
     llm = LLM(kw.pop("target"), dtype="float32", tp_size=2, **kw)
-    follower = llm._group.procs[0]
+    follower = llm.engine.group.procs[0]
     result = {}
 
     def run():
@@ -196,11 +197,11 @@ def test_a_hung_rank_fails_the_run_after_the_timeout(models):
                                         tp_timeout=3)
     assert isinstance(error, RuntimeError)
     assert "Timed out" in str(error) and "rank 1 was still running" in str(error)
-    assert not llm._group.procs[0].is_alive()
+    assert not llm.engine.group.procs[0].is_alive()
 
 
 def test_a_rank_that_raises_reports_its_traceback(models):
     llm = LLM(models["qwen3"][0], dtype="float32", tp_size=2, tp_timeout=60)
-    llm._group.send(("step", [None]))   # a command no follower can replay
+    llm.engine.group.send(("step", [None]))   # a command no follower can replay
     with pytest.raises(RuntimeError, match=r"rank 1 raised:\n.*Traceback(.|\n)*TypeError"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))

@@ -6,8 +6,9 @@ import re
 import pytest
 
 from dflash import LLM, SamplingParams
-from dflash.testing import CharTokenizer, make_tiny_target
 from dflash.train import generate_answers, number_variants, read_answers
+
+from helpers import CharTokenizer, make_tiny_target
 
 PROMPTS = ["Ann has 12 apples and buys 7 more for $1,250.", "No numbers here.", "Bo ran 3 km."]
 

@@ -8,11 +8,12 @@ import torch
 
 from dflash.models import load_draft, load_target
 from dflash.models.layers import build_metadata, prefill_metadata
-from dflash.testing import make_tiny_draft, make_tiny_target, packed_weight_dtypes
 from dflash.train import TrainConfig, Trainer, heldout_tau, init_draft
 from dflash.train.features import cached_features
 from dflash.train.objective import Batch, block_logits, target_features
 from dflash.train.trainer import copy_target_layers, draft_config, frequent_tokens
+
+from helpers import make_tiny_draft, make_tiny_target, packed_weight_dtypes
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from vllm.v1.attention.backend import AttentionType  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
 
 from dflash.integrations import vllm as plugin  # noqa: E402
-from dflash.testing import rope_cache  # noqa: E402
+from dflash.ops.cases import rope_cache  # noqa: E402
 
 ENGINE = Path(__file__).resolve().parents[1] / "tools" / "vllm_engine.py"
 STOCK = getattr(DFlashQwen3Model.precompute_and_store_context_kv, "dflash_stock",

@@ -1,7 +1,7 @@
 // dflash::context_kv on CPU (docs/design.md 3.1): write the draft's context K/V of N tokens into every
 // layer's paged cache.
 //
-// Precision follows dflash/reference.py step by step:
+// Precision follows dflash/ops/reference.py step by step:
 //   * both projections are the reference's own ATen calls (at::linear in the input dtype: MKL for
 //     float32, oneDNN with AMX for bf16 where the CPU has it), so their outputs are bit-identical;
 //   * the hidden RMSNorm is one parallel pass that takes each row's mean of squares from the
@@ -21,7 +21,7 @@ namespace dflash::context_kv {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Validation: csrc/checks.h (dflash/checks.py), plus the layout this kernel needs, all before
+// Validation: csrc/checks.h (dflash/ops/checks.py), plus the layout this kernel needs, all before
 // anything is written.
 // ---------------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@
 // torch's RMSNorm alone is ~8 calls (upcast, pow, mean, add, rsqrt, two muls, downcast), NeoX RoPE
 // ~10, the attention's input ~12; here each is one call and one pass over the rows.
 //
-// Precision follows dflash/reference.py: float32 math, one rounding to the dtype per output (the
+// Precision follows dflash/ops/reference.py: float32 math, one rounding to the dtype per output (the
 // residual sum of add_rms_norm is rounded before it is normalized, as `x + residual` in the dtype
 // would be). Every row is computed the same way whatever the number of rows in the call, so a
 // 16-token verification row equals the 1-token decode of that token bit for bit.

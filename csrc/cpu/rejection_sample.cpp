@@ -1,4 +1,4 @@
-// CPU kernel for dflash::rejection_sample (docs/design.md 3.3); dflash/reference.py is the specification.
+// CPU kernel for dflash::rejection_sample (docs/design.md 3.3); dflash/ops/reference.py is the specification.
 //
 // The op is memory bound, and the sampling itself touches only a few rows per sequence.
 // With validate (the default, for direct calls) every probability is checked, in two parallel

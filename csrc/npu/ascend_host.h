@@ -1,6 +1,6 @@
 // Host side of dflash's Ascend C ops, shared by the NPU launchers in this folder and by the
 // emulated launchers the tests build (ascend_kernels/emu/launchers.cpp): input validation with the
-// messages of dflash/checks.py, the GEMMs context_kv runs before its kernel, the tiling and the
+// messages of dflash/ops/checks.py, the GEMMs context_kv runs before its kernel, the tiling and the
 // kernel arguments. Everything here is device-agnostic ATen code; only the launch itself differs.
 #pragma once
 
@@ -179,7 +179,7 @@ inline ContextKvLaunch prepare_context_kv(
   l.block_dim = block_dim(hidden.size(0), cores);
   l.dtype_code = dtype == at::kFloat ? 0 : dtype == at::kHalf ? 1 : 2;
 
-  // The GEMMs and the hidden RMSNorm, with exactly the ATen calls of dflash.reference.
+  // The GEMMs and the hidden RMSNorm, with exactly the ATen calls of dflash.ops.reference.
   at::Tensor x = fc_weight ? at::linear(hidden, *fc_weight) : hidden;
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor c =

@@ -41,7 +41,6 @@ REPEATS = 5
 SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
 RETRIES = 2              # ... at most this many times (the fastest time is kept)
 FORMAT = 6               # of the cache files: files of another format are not read
-CACHE_DIR = None         # None: assets.cache_dir() / "calibration"
 
 
 @dataclass
@@ -240,7 +239,13 @@ def _identity(path) -> dict:
 
 def _path(key: dict) -> Path:
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(CACHE_DIR or assets.cache_dir() / "calibration") / f"{digest}.json"
+    return cache_dir() / f"{digest}.json"
+
+
+def cache_dir() -> Path:
+    """Where measured cost models are kept: $DFLASH_CALIBRATION_DIR, else the calibration
+    folder of dflash's cache (assets.cache_dir())."""
+    return Path(os.environ.get("DFLASH_CALIBRATION_DIR") or assets.cache_dir() / "calibration")
 
 
 def load(key: dict) -> CostModel | None:

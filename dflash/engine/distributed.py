@@ -63,8 +63,8 @@ class TPWorker(Worker):
     def prefill(self, requests: list[Request]) -> list[int]:
         return self._lead("prefill", requests, super().prefill)
 
-    def step(self, requests: list[Request], proposer=None, num_drafts=None):
-        if proposer is not None:
+    def step(self, requests: list[Request], num_drafts=None):
+        if self.proposer is not None:
             raise ValueError("a scripted proposer is not supported with tensor parallelism")
         return self._lead("step", requests, lambda rs: super(TPWorker, self).step(
             rs, num_drafts=num_drafts), num_drafts)
@@ -94,13 +94,13 @@ class TPWorker(Worker):
             self.step(requests, num_drafts=payload[1])
 
     @torch.inference_mode()
-    def run_decode_draft(self, inputs):
-        drafts, probs = super().run_decode_draft(inputs)
+    def draft_forward(self, inputs):
+        drafts, probs = super().draft_forward(inputs)
         return self.tp.broadcast(drafts.contiguous()), probs
 
     @torch.inference_mode()
-    def run_validate(self, *args):
-        verified = super().run_validate(*args)
+    def verify(self, *args):
+        verified = super().verify(*args)
         verified.emitted, verified.accepted = self.tp.broadcast_object(
             (verified.emitted, verified.accepted))
         return verified

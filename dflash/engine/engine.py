@@ -14,7 +14,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
+from .args import EngineArgs, dtype_name
+from .loading import load
+from .processor import Processor
 from .request import Request, RequestMetrics, RequestOutput
+from .speculation import Planner
+from .stats import Stats
 
 logger = logging.getLogger("dflash")
 
@@ -37,23 +42,38 @@ class StepOutput:
 
 
 class LLMEngine:
-    """Continuous batching over an `LLM`'s worker, caches, planner and metrics.
+    """Continuous batching over paged caches: the engine owns the models, worker, cache allocator,
+    request processor, verify-length planner and figures (`dflash.LLM` is its offline facade).
 
     Args:
-        llm: the `dflash.LLM` whose models, cache allocator and verify-length planner are used.
-        isolate_errors: False (what `generate` uses): an error inside a step frees the cache
+        args: what to build (`EngineArgs`: the arguments `dflash.LLM` documents).
+        isolate_errors: False (what `LLM.generate` uses): an error inside a step frees the cache
             blocks of every request in flight and propagates. True (what the server uses): when a
             batched model call raises, each of its requests runs again alone; the ones that still
             raise finish with finish_reason "error" (and `output.error`), the others continue.
-        on_tokens: `on_tokens(request_id, new_token_ids)`, called as tokens are committed.
+
+    Attributes: `target`, `draft`, `tokenizer`, `dtype`, `block_size`, `max_num_seqs`,
+    `max_model_len`, `worker`, `allocator`, `processor` (requests in, outputs out), `cost_model`
+    (measured at start and cached; None for a target-only engine of a given dtype, which has
+    nothing to choose), `planner` (the verify-length chooser, None unless adaptive), `stats`.
 
     Not thread-safe: one thread calls add_request, abort and step (the server's engine thread).
     """
 
-    def __init__(self, llm, isolate_errors: bool = False, on_tokens=None):
-        self.llm = llm
+    def __init__(self, args: EngineArgs, isolate_errors: bool = False):
+        loaded = load(args)
+        self.group = loaded.group   # the tensor-parallel ranks, None without tensor parallelism
+        self.target, self.draft, self.tokenizer = loaded.target, loaded.draft, loaded.tokenizer
+        self.dtype, self.block_size = loaded.dtype, loaded.block_size
+        self.max_num_seqs, self.max_model_len = loaded.max_num_seqs, loaded.max_model_len
+        self.worker, self.allocator, self.cost_model = \
+            loaded.worker, loaded.allocator, loaded.cost_model
+        self.processor = Processor(self.tokenizer, self.target.cfg.vocab_size, loaded.stop_ids,
+                                   self.block_size, self.max_model_len, self.allocator)
+        self.planner = None if self.cost_model is None or self.draft is None or \
+            args.speculation == "fixed" else Planner(self.block_size - 1, self.cost_model)
+        self.stats = Stats(self.block_size)
         self.isolate_errors = isolate_errors
-        self.on_tokens = on_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_steps = 0
@@ -61,18 +81,22 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}   # live or not yet reported as finished
         self._reported: dict[int, int] = {}       # output tokens already handed out
         self._done: list[Request] = []            # ended between steps (aborts)
+        self._on_tokens: dict[int, object] = {}   # request id -> its streaming callback
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, prompt, params: SamplingParams | None = None, detokenize: bool = False,
-                    arrival_time: float | None = None) -> int:
+                    arrival_time: float | None = None, on_tokens=None) -> int:
         """Queue a prompt (a string or token ids); returns its request id. `detokenize`: keep
-        the text incrementally (`StepOutput.text` deltas); stop strings imply it. Raises
-        ValueError for a request that can never run (too long, bad token ids)."""
-        r = self.llm._request(prompt, params or SamplingParams(), detokenize=detokenize)
+        the text incrementally (`StepOutput.text` deltas); stop strings imply it.
+        `on_tokens(new_token_ids)` is called as its tokens are committed. Raises ValueError for
+        a request that can never run (too long, bad token ids)."""
+        r = self.processor.request(prompt, params or SamplingParams(), detokenize=detokenize)
         if arrival_time is not None:
             r.metrics.arrival_time = arrival_time
         self.waiting.append(r)
         self._requests[r.request_id] = r
+        if on_tokens is not None:
+            self._on_tokens[r.request_id] = on_tokens
         return r.request_id
 
     def abort(self, request_id: int) -> bool:
@@ -105,6 +129,13 @@ class LLMEngine:
     # --------------------------------------------------------------------------------- step
     def step(self) -> list[StepOutput]:
         """One scheduler iteration; one output per request that got tokens or ended."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.elapsed_s += time.perf_counter() - start
+
+    def _step(self) -> list[StepOutput]:
         touched, self._done = self._done, []
         try:
             self._schedule(touched)
@@ -114,6 +145,8 @@ class LLMEngine:
             if not self.isolate_errors:
                 for r in in_flight:   # an error mid-run must not leak cache blocks
                     self._release(r, count=False)
+                    self._requests.pop(r.request_id, None)
+                    self._reported.pop(r.request_id, None)
                 raise
             for r in in_flight:
                 if not r.finished:
@@ -128,15 +161,14 @@ class LLMEngine:
         return outputs
 
     def _schedule(self, touched: list[Request]) -> None:
-        llm = self.llm
         admitted = self._admitting
-        while self.waiting and len(self.running) + len(admitted) < llm.max_num_seqs and \
-                llm.allocator.grow(self.waiting[0].block_table, llm._reservation(
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs and \
+                self.allocator.grow(self.waiting[0].block_table, self.processor.reservation(
                     len(self.waiting[0].prompt_ids), self.waiting[0].params)):
             admitted.append(self.waiting.popleft())
         admitted_any = bool(admitted)
         if admitted:
-            ok, _, first = self._call(lambda rs, ks: llm.worker.prefill(rs), admitted)
+            ok, _, first = self._call(lambda rs, ks: self.worker.prefill(rs), admitted)
             self._commit_each(ok, [[token] for token in first])
             self.running += admitted   # the ones that failed are finished: retired below
             touched += admitted
@@ -148,17 +180,26 @@ class LLMEngine:
             return
         running = list(self.running)
         touched += running
-        num_drafts = llm._plan(running)
+        num_drafts = self._plan(running)
         step_start = time.perf_counter()
-        ok, ks, results = self._call(
-            lambda rs, ks: list(zip(*llm.worker.step(rs, llm.proposer, ks))), running,
-            num_drafts)
+        ok, ks, results = self._call(lambda rs, ks: list(zip(*self.worker.step(rs, ks))),
+                                     running, num_drafts)
         if ok:
-            llm._record(ok, ks, [accepted for _, accepted in results],
-                        time.perf_counter() - step_start)
+            accepted = [a for _, a in results]
+            if self.planner is not None:
+                self.planner.observe(ok, ks, accepted)
+                self.planner.observe_time(ks, time.perf_counter() - step_start)
+            self.stats.record_step(ok, ks, accepted)
         self._commit_each(ok, [tokens for tokens, _ in results])
         self._retire()
         self.num_steps += 1
+
+    def _plan(self, running: list[Request]) -> list[int]:
+        if self.block_size == 1:
+            return [0] * len(running)
+        if self.planner is None:
+            return [self.block_size - 1] * len(running)
+        return self.planner.plan(running)
 
     def _call(self, fn, requests: list[Request], ks: list[int] | None = None):
         """fn(requests, ks) -> one result per request, for the requests (and their ks) that
@@ -198,9 +239,10 @@ class LLMEngine:
     def _commit(self, r: Request, tokens: list[int]) -> None:
         before = len(r.output_ids)
         r.append(tokens)
-        if self.on_tokens is not None:
-            self.on_tokens(r.request_id, r.output_ids[before:])
-        if len(r.tokens) + self.llm.block_size > self.llm.max_model_len and not r.finished:
+        on_tokens = self._on_tokens.get(r.request_id)
+        if on_tokens is not None:
+            on_tokens(r.output_ids[before:])
+        if len(r.tokens) + self.block_size > self.max_model_len and not r.finished:
             r.finish("length")
 
     def _fail(self, r: Request, error: Exception) -> None:
@@ -215,12 +257,12 @@ class LLMEngine:
         self.running = [r for r in self.running if not r.finished]
 
     def _release(self, r: Request, count: bool = True) -> None:
-        llm = self.llm
-        if llm.planner is not None:
-            llm.planner.forget(r.request_id)
-        llm.allocator.free(r.block_table)
+        if self.planner is not None:
+            self.planner.forget(r.request_id)
+        self.allocator.free(r.block_table)
+        self._on_tokens.pop(r.request_id, None)
         if count:
-            llm.totals.add(r.metrics)
+            self.stats.add(r.metrics)
 
     def _report(self, r: Request) -> StepOutput:
         start = self._reported.get(r.request_id, 0)
@@ -229,8 +271,31 @@ class LLMEngine:
         text = None if r.detok is None else r.detok.take_delta()
         output = None
         if r.finished:
-            output = self.llm._output(r)
+            output = self.processor.output(r)
             self._requests.pop(r.request_id, None)
             self._reported.pop(r.request_id, None)
         return StepOutput(r.request_id, new, r.finished, r.finish_reason, text, output,
                           r.metrics)
+
+    # ---------------------------------------------------------------------------- metrics
+    def metrics(self) -> dict:
+        """Totals over every request finished so far (see `Stats`), and the engine's setup."""
+        return {
+            **self.stats.summary(),
+            "dtype": dtype_name(self.dtype),
+            "speculation": "none" if self.block_size == 1 else
+            "adaptive" if self.planner is not None else "fixed",
+            "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
+            # the planner's fit of measured step time to the cost model's decode and
+            # speculation parts (tests may plan with a stand-in that has none)
+            "cost_model_correction": None if getattr(self.planner, "time", None) is None else
+            self.planner.time.as_dict(),
+        }
+
+    def reset_metrics(self) -> None:
+        self.stats = Stats(self.block_size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do without tensor parallelism)."""
+        if self.group is not None:
+            self.group.close()

@@ -48,36 +48,6 @@ class RequestMetrics:
             self.accepted_per_position[i] += 1
 
 
-class Totals:
-    """Running sums of finished requests' metrics: constant memory however long a server runs.
-    `elapsed_s` is the time spent generating (`LLM.generate` calls, or the server's steps)."""
-
-    def __init__(self):
-        self.elapsed_s = 0.0
-        self.requests = self.num_drafts = self.num_draft_tokens = 0
-        self.num_accepted_tokens = self.generated_tokens = 0
-        self.accepted_per_position: list[int] = []
-        self.ttft_sum = self.tpot_sum = 0.0
-        self.ttft_count = self.tpot_count = 0
-
-    def add(self, m: RequestMetrics) -> None:
-        self.requests += 1
-        self.num_drafts += m.num_drafts
-        self.num_draft_tokens += m.num_draft_tokens
-        self.num_accepted_tokens += m.num_accepted_tokens
-        self.generated_tokens += m.generated_tokens
-        per_position = self.accepted_per_position
-        per_position += [0] * (len(m.accepted_per_position) - len(per_position))
-        for i, n in enumerate(m.accepted_per_position):
-            per_position[i] += n
-        if m.time_to_first_token is not None:
-            self.ttft_sum += m.time_to_first_token
-            self.ttft_count += 1
-        if m.time_per_output_token is not None:
-            self.tpot_sum += m.time_per_output_token
-            self.tpot_count += 1
-
-
 @dataclass
 class RequestOutput:
     request_id: int
@@ -106,7 +76,7 @@ class Request:
         self.stop_ids = stop_ids
         self.block_table: list[int] = []
         self.num_cached = 0   # tokens with cached target K/V and draft context, except:
-        # draft-context rows held back (features, position, slot): Worker.write_context_kv
+        # draft-context rows held back (features, position, slot): Worker.write_draft_context
         self.context_backlog: list = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -10,7 +10,7 @@ It takes device tensors and returns device tensors. Every shape follows from the
 the block-table width, no value goes back to the host and no Python branch depends on one, so
 `torch.compile(decode_step, fullgraph=True)` traces it as one graph and calls it again with new
 positions, slots and lengths without recompiling: the CPU stand-in for an ACL graph capture.
-The host builds the metadata before (`Worker.prepare_query_inputs`) and reads the emitted tokens
+The host builds the metadata before (`Worker.block_inputs`) and reads the emitted tokens
 after, as vLLM and vllm-ascend do around their captured graphs. Not traceable yet: MoE targets
 (the experts' token counts go to the host) and bfloat16 CPU weights packed for oneDNN (fake
 tensors cannot stand for MKLDNN tensors).

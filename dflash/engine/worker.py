@@ -2,12 +2,12 @@
 
 A decode step for a batch of sequences, each with `n` cached tokens, a pending last token and a
 verify length k (0..B-1, chosen by the scheduler):
-  prepare_query_inputs  block [pending, MASK * (B-1)] at positions n .. n+B-1 for every sequence
+  block_inputs  block [pending, MASK * (B-1)] at positions n .. n+B-1 for every sequence
                         with k > 0
-  run_decode_draft      one non-causal draft forward -> max(k) draft tokens per such sequence
-  run_validate          one causal target forward over [pending, first k drafts] of every
+  draft_forward      one non-causal draft forward -> max(k) draft tokens per such sequence
+  verify          one causal target forward over [pending, first k drafts] of every
                         sequence (a ragged batch) + rejection sampling
-  write_context_kv      the committed rows' target features -> the draft's context cache (held
+  write_draft_context      the committed rows' target features -> the draft's context cache (held
                         back for sequences that verified no drafts until they draft again)
 
 When every sequence verifies all B - 1 drafts greedily (and the draft model proposes them), the
@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import noise, sampling
+from .. import sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
 from ..models.layers import build_metadata, pack_linear_weight
+from ..sampling import noise
 from .cost_model import fastest_each
 from .request import Request
 from .step import decode_step, draft_logits, greedy_drafts
@@ -89,6 +90,9 @@ class Worker:
             BACKLOG_BYTES // (draft.fc.shape[1] * dtype.itemsize)
         # the device work of a uniform step; a graph-capturing caller puts its compiled form here
         self.decode_step = decode_step
+        # what proposes the drafts: None for the draft model (draft_forward), or any
+        # callable inputs -> (draft ids [n, k], probs [n, k, V] or None), e.g. a scripted one
+        self.proposer = None
         self.prefill_seconds = 0.0   # time spent in prefill (benchmarks report it separately)
 
     # ------------------------------------------------------------------------------ prefill
@@ -115,7 +119,7 @@ class Worker:
         return first
 
     # --------------------------------------------------------------------------- the step
-    def prepare_query_inputs(self, requests: list[Request], num_drafts: int | None = None
+    def block_inputs(self, requests: list[Request], num_drafts: int | None = None
                              ) -> StepInputs:
         """The draft's block for each request: [pending, MASK * (B-1)] at its next positions;
         drafts are made for the first `num_drafts` (default B-1) of the masks."""
@@ -130,7 +134,7 @@ class Worker:
                           b - 1 if num_drafts is None else num_drafts)
 
     @torch.inference_mode()
-    def run_decode_draft(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [Bs, K] for K = inputs.num_drafts (argmax, or sampled with dense
         probabilities [Bs, K, V]). The draft forward runs over the whole block (its attention is
         non-causal); only the K rows whose drafts can be verified go through the lm_head."""
@@ -151,7 +155,7 @@ class Worker:
         return drafts, probs
 
     @torch.inference_mode()
-    def run_validate(self, requests: list[Request], num_drafts: list[int],
+    def verify(self, requests: list[Request], num_drafts: list[int],
                      draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> Verified:
         """Verify each request's [pending, first k drafts] causally (k = num_drafts[i]; a ragged
         batch of sum(k + 1) rows) and run rejection sampling on each.
@@ -169,46 +173,13 @@ class Worker:
                               self.num_kv_blocks)
         hidden, features = self.target(table.flatten()[rows_t], meta, self.target_cache,
                                        self.capture)
-        logits = self.target.logits(hidden)
-        params = [r.params for r in requests]
-        if all(p.is_greedy for p in params):
-            # padded to [Bs, B]: drafts past k never match (-1), so acceptance stops at k
-            target_ids = torch.full((len(requests) * b,), -1, device=self.device)
-            target_ids[rows_t] = sampling.first_argmax(logits)
-            drafts = torch.where(torch.arange(1, b, device=self.device)[None] <=
-                                 torch.tensor(num_drafts, device=self.device)[:, None],
-                                 draft_ids, -1)
-            out, accepted = sampling.greedy_accept(drafts, target_ids.view(-1, b))
-            out, accepted = out.tolist(), accepted.tolist()   # the step's one host sync
-        else:
-            out, accepted = self._verify_by_length(num_drafts, draft_ids, draft_probs, logits,
-                                                   requests)
-        emitted = [row[: a + 1] for row, a in zip(out, accepted)]
+        emitted, accepted = sampling.verify(
+            draft_ids, draft_probs, self.target.logits(hidden), num_drafts,
+            [r.params for r in requests], self._seeds(requests), self._offsets(requests))
         return Verified(emitted, accepted, num_drafts, features, meta)
 
-    def _verify_by_length(self, num_drafts, draft_ids, draft_probs, logits, requests):
-        """Rejection sampling of a ragged batch: one `sampling.verify` per distinct k (each
-        request's bonus token must come from its own row k)."""
-        starts = [0]
-        for k in num_drafts:
-            starts.append(starts[-1] + k + 1)
-        out, accepted = [None] * len(requests), [0] * len(requests)
-        for k in sorted(set(num_drafts)):
-            group = [i for i, n in enumerate(num_drafts) if n == k]
-            idx = torch.tensor(group, device=self.device)
-            rows = torch.tensor([starts[i] + j for i in group for j in range(k + 1)],
-                                device=self.device)
-            tokens, counts = sampling.verify(
-                draft_ids[idx, :k], None if draft_probs is None else draft_probs[idx, :k],
-                logits[rows].view(len(group), k + 1, -1), [requests[i].params for i in group],
-                self._seeds([requests[i] for i in group]),
-                self._offsets([requests[i] for i in group]))
-            for i, row, a in zip(group, tokens.tolist(), counts.tolist()):
-                out[i], accepted[i] = row, a
-        return out, accepted
-
     @torch.inference_mode()
-    def write_context_kv(self, verified: Verified, requests: list[Request]) -> None:
+    def write_draft_context(self, verified: Verified, requests: list[Request]) -> None:
         """Append the features of each sequence's committed rows (its first a + 1 verified rows)
         to the draft's context cache.
 
@@ -246,38 +217,38 @@ class Worker:
         if not rows:
             return
         features, positions, slots = (torch.stack(column) for column in zip(*rows))
-        # rows of checked step plans (write_context_kv kept them)
+        # rows of checked step plans (write_draft_context kept them)
         self.draft.write_context(features, positions, slots, self.draft_cache, validate=False)
         for r in requests:
             r.context_backlog.clear()
 
-    def step(self, requests: list[Request], proposer=None, num_drafts: list[int] | None = None
+    def step(self, requests: list[Request], num_drafts: list[int] | None = None
              ) -> tuple[list[list[int]], list[int]]:
         """One decode step for `requests`; returns the tokens each emitted and its accepted count.
 
         num_drafts[i] (0..B-1, default B-1) is how many of request i's drafts are verified; the
         draft forward runs only for the requests with k > 0 (not at all when every k is 0), and
-        the draft context is written for all of them (see write_context_kv for when). A step in
-        which every k is B-1 and every request greedy runs as one decode_step (run_uniform_step).
-        `proposer(inputs)` replaces the draft model (tests script acceptance with it).
+        the draft context is written for all of them (see write_draft_context for when). A step in
+        which every k is B-1, every request greedy and the draft model the proposer runs as one
+        decode_step (run_uniform_step).
         """
         b = self.block_size
         num_drafts = [b - 1] * len(requests) if num_drafts is None else list(num_drafts)
         if len(num_drafts) != len(requests) or not all(0 <= k < b for k in num_drafts):
             raise ValueError(f"num_drafts must hold one count in [0, {b - 1}] per request, got "
                              f"{num_drafts} for {len(requests)} requests")
-        if self._is_uniform(requests, proposer, num_drafts):
+        if self._is_uniform(requests, num_drafts):
             emitted, accepted = self.run_uniform_step(requests)
         else:
-            emitted, accepted = self._ragged_step(requests, proposer, num_drafts)
+            emitted, accepted = self._ragged_step(requests, num_drafts)
         for r, a in zip(requests, accepted):
             r.num_cached += a + 1
         return emitted, accepted
 
-    def _is_uniform(self, requests: list[Request], proposer, num_drafts: list[int]) -> bool:
+    def _is_uniform(self, requests: list[Request], num_drafts: list[int]) -> bool:
         """Whether every request drafts and verifies B - 1 tokens with the draft model, greedily."""
         b = self.block_size
-        return self.uniform_steps and self.draft is not None and proposer is None and b > 1 \
+        return self.uniform_steps and self.draft is not None and self.proposer is None and b > 1 \
             and self.draft_sampling == "greedy" and all(k == b - 1 for k in num_drafts) \
             and all(r.params.is_greedy for r in requests)
 
@@ -289,14 +260,14 @@ class Worker:
         writes the draft context of all B verified rows, which keeps committed-token semantics
         exact (step.py says why)."""
         self._flush_context(requests)
-        inputs = self.prepare_query_inputs(requests)
+        inputs = self.block_inputs(requests)
         out, accepted, _ = self.decode_step(
             self.target, self.draft, inputs.tokens.view(len(requests), self.block_size),
             inputs.meta, self.target_cache, self.draft_cache, self.draft_head, self.draft_vocab)
         out, accepted = out.tolist(), accepted.tolist()   # the step's one host sync
         return [row[:a + 1] for row, a in zip(out, accepted)], accepted
 
-    def _ragged_step(self, requests: list[Request], proposer, num_drafts: list[int]
+    def _ragged_step(self, requests: list[Request], num_drafts: list[int]
                      ) -> tuple[list[list[int]], list[int]]:
         """Any other step: the four stages of the module docstring, each over its own rows."""
         b = self.block_size
@@ -305,16 +276,16 @@ class Worker:
         drafting = [i for i, k in enumerate(num_drafts) if k > 0]
         if drafting:
             self._flush_context([requests[i] for i in drafting])
-            ids, probs = (proposer or self.run_decode_draft)(
-                self.prepare_query_inputs([requests[i] for i in drafting], max(num_drafts)))
+            ids, probs = (self.proposer or self.draft_forward)(
+                self.block_inputs([requests[i] for i in drafting], max(num_drafts)))
             idx = torch.tensor(drafting, device=self.device)
             draft_ids[idx, :ids.shape[1]] = ids
             if probs is not None:
                 draft_probs = probs.new_zeros(len(requests), *probs.shape[1:])
                 draft_probs[idx] = probs
-        verified = self.run_validate(requests, num_drafts, draft_ids, draft_probs)
+        verified = self.verify(requests, num_drafts, draft_ids, draft_probs)
         if self.draft is not None:
-            self.write_context_kv(verified, requests)
+            self.write_draft_context(verified, requests)
         return verified.emitted, verified.accepted
 
     # -------------------------------------------------------------------------- calibration
@@ -341,16 +312,16 @@ class Worker:
                                   generator=g).to(self.device)
 
         def verify(ks: list[int]) -> None:
-            verified = self.run_validate(requests[:len(ks)], ks, draft_ids[:len(ks)], None)
+            verified = self.verify(requests[:len(ks)], ks, draft_ids[:len(ks)], None)
             if self.draft is not None:
-                self.write_context_kv(verified, requests[:len(ks)])
+                self.write_draft_context(verified, requests[:len(ks)])
 
         def packed(rows: int) -> list[int]:
             n = -(-rows // b)
             return [b - 1] * (n - 1) + [rows - (n - 1) * b - 1]
 
         def draft(n: int, num_drafts: int | None = None) -> None:
-            self.run_decode_draft(self.prepare_query_inputs(requests[:n], num_drafts))
+            self.draft_forward(self.block_inputs(requests[:n], num_drafts))
 
         jobs = {("target", rows): lambda r=rows: verify(packed(r)) for rows in rows_grid}
         for n in seqs_grid:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import _library, host, ops, reference
+from .. import host, ops
+from ..ops import reference, registry
+from ..ops.packing import PANEL
 from .config import AttentionConfig
 
 
@@ -108,8 +110,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def is_panels(weight: torch.Tensor) -> bool:
     """Whether `weight` is a linear weight in one of `panel_linear`'s layouts: column panels
     [N / 16, K, 16] or pair panels [N / 16, K / 2, 16, 2]."""
-    return (weight.dim() == 3 and weight.shape[-1] == reference.PANEL) or \
-        (weight.dim() == 4 and tuple(weight.shape[-2:]) == (reference.PANEL, 2))
+    return (weight.dim() == 3 and weight.shape[-1] == PANEL) or \
+        (weight.dim() == 4 and tuple(weight.shape[-2:]) == (PANEL, 2))
 
 
 def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
@@ -134,7 +136,7 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tenso
     path = host.bf16_gemm() if weight.dtype == torch.bfloat16 else "panels"
     if path == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
-    if weight.shape[0] % reference.PANEL or not _library.has_kernel("panel_linear"):
+    if weight.shape[0] % PANEL or not registry.has_kernel("panel_linear"):
         return weight
     if path == "pairs" and weight.shape[1] % 2 == 0:
         return ops.to_pair_panels(weight)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..engine import LLMEngine
 from ..sampling import SamplingParams
 from . import protocol, serving
 from .errors import ApiError, error_body, error_response
@@ -38,7 +39,7 @@ logger = logging.getLogger("dflash.serve")
 
 @dataclass
 class ServerState:
-    llm: object
+    llm: LLMEngine   # read-only here: only the engine thread calls into it
     model_name: str
     options: Options = field(default_factory=Options)
     root: str = ""
@@ -202,7 +203,7 @@ def build_app(state: ServerState) -> FastAPI:
             if fill_max_tokens:
                 params = replace(params, max_tokens=max(llm.max_model_len - len(ids), 1))
             try:
-                llm.validate(ids, params)
+                llm.processor.admit(ids, params)
             except ValueError as e:
                 raise ApiError(400, str(e), "max_tokens") from None
         except BaseException:
@@ -410,10 +411,13 @@ class Server:
     """The app, its engine thread and uvicorn, on a socket bound at construction (port 0 picks
     a free one: see `port`)."""
 
-    def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 grace_period: float = 10.0, root: str = "", log_level: str = "warning",
-                 **options):
-        """`options`: the fields of `serving.Options` (api_key, max_queue, ...)."""
+    def __init__(self, llm: LLMEngine, model_name: str, host: str = "127.0.0.1",
+                 port: int = 8000, grace_period: float = 10.0, root: str = "",
+                 log_level: str = "warning", **options):
+        """`llm`: an engine built with isolate_errors=True (one failing request must not end
+        the others). `options`: the fields of `serving.Options` (api_key, max_queue, ...)."""
+        if not llm.isolate_errors:
+            raise ValueError("Server needs an LLMEngine built with isolate_errors=True")
         self.state = ServerState(llm, model_name, Options(**options), root=root)
         # a dead engine thread ends the process (non-zero) so that a supervisor restarts it
         self.state.engine = EngineThread(llm, ServerMetrics(

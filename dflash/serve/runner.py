@@ -56,11 +56,10 @@ class Handle:
 
 
 class EngineThread:
-    def __init__(self, llm, metrics: ServerMetrics, on_failure=None):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, on_failure=None):
         """`on_failure()` is called (from the engine thread) if the thread dies of an error."""
-        self.llm = llm
+        self.engine = engine
         self.on_failure = on_failure
-        self.engine = LLMEngine(llm, isolate_errors=True)
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[int, Handle] = {}
@@ -152,9 +151,7 @@ class EngineThread:
         self._publish_load()
 
     def _step(self) -> None:
-        start = time.perf_counter()
         outputs = self.engine.step()
-        self.llm.totals.elapsed_s += time.perf_counter() - start
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is None:
@@ -191,4 +188,4 @@ class EngineThread:
 
     def _publish_load(self) -> None:
         self.metrics.set_load(self.engine.num_running, self.engine.num_waiting,
-                              self.llm.allocator.num_free)
+                              self.engine.allocator.num_free)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import noise, ops
+from .. import ops
+from . import noise
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -195,19 +196,50 @@ def sample(probs: torch.Tensor, is_greedy: torch.Tensor, seeds: Sequence[int],
 
 
 def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
-           params: Sequence[SamplingParams], seeds: Sequence[int], offsets: Sequence[int]
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify drafts [Bs, K] against the target's logits [Bs, K + 1, V]: `rejection_sample` of
-    the `target_probs`. Returns (output_token_ids [Bs, K + 1] padded with -1, num_accepted [Bs]).
+           num_drafts: Sequence[int], params: Sequence[SamplingParams], seeds: Sequence[int],
+           offsets: Sequence[int]) -> tuple[list[list[int]], list[int]]:
+    """Verify a ragged batch: row i checks its first k = num_drafts[i] drafts of
+    draft_token_ids [Bs, K] (draft_probs [Bs, K, V] or None for one-hot proposals) against its
+    k + 1 rows of the target's logits [sum(k + 1), V] (row i's after row i - 1's). Returns each
+    row's emitted tokens (accepted drafts, then the correction or bonus token) and its accepted
+    count; reading them back is one host sync.
 
-    An all-greedy batch skips the probabilities: with one-hot targets the op accepts while the
-    draft equals the argmax, which `greedy_accept` computes without writing Bs * (K + 1) * V
-    floats."""
+    An all-greedy batch skips the probabilities: with one-hot targets `rejection_sample` accepts
+    while the draft equals the argmax, which `greedy_accept` computes for every row at once
+    without writing sum(k + 1) * V floats. Otherwise `rejection_sample` runs once per distinct
+    k (each row's bonus token must come from its own row k)."""
+    bs, width = draft_token_ids.shape
+    device = logits.device
+    starts = [0]
+    for k in num_drafts:
+        starts.append(starts[-1] + k + 1)
     if all(p.is_greedy for p in params):
-        return greedy_accept(draft_token_ids, first_argmax(logits))
-    is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-    return rejection_sample(draft_token_ids, draft_probs, target_probs(logits, params), is_greedy,
-                            seeds, offsets)
+        # padded to [Bs, K + 1]: drafts past k never match (-1), so acceptance stops at k
+        rows = torch.tensor([i * (width + 1) + j for i, k in enumerate(num_drafts)
+                             for j in range(k + 1)], device=device)
+        target_ids = torch.full((bs * (width + 1),), -1, device=device)
+        target_ids[rows] = first_argmax(logits)
+        limit = torch.tensor(list(num_drafts), device=device)[:, None]
+        drafts = torch.where(torch.arange(1, width + 1, device=device)[None] <= limit,
+                             draft_token_ids, -1)
+        out, accepted = greedy_accept(drafts, target_ids.view(bs, width + 1))
+        out, accepted = out.tolist(), accepted.tolist()
+        return [row[:a + 1] for row, a in zip(out, accepted)], accepted
+    emitted: list[list[int]] = [[] for _ in range(bs)]
+    accepted = [0] * bs
+    for k in sorted(set(num_drafts)):
+        group = [i for i, n in enumerate(num_drafts) if n == k]
+        idx = torch.tensor(group, device=device)
+        rows = torch.tensor([starts[i] + j for i in group for j in range(k + 1)], device=device)
+        group_params = [params[i] for i in group]
+        is_greedy = torch.tensor([p.is_greedy for p in group_params], device=device)
+        tokens, counts = rejection_sample(
+            draft_token_ids[idx, :k], None if draft_probs is None else draft_probs[idx, :k],
+            target_probs(logits[rows].view(len(group), k + 1, -1), group_params), is_greedy,
+            [seeds[i] for i in group], [offsets[i] for i in group])
+        for i, row, a in zip(group, tokens.tolist(), counts.tolist()):
+            emitted[i], accepted[i] = row[:a + 1], a
+    return emitted, accepted
 
 
 def greedy_accept(draft_token_ids: torch.Tensor, target_ids: torch.Tensor

@@ -20,11 +20,9 @@ import warnings
 
 import torch
 
-from . import (
-    _C,  # noqa: F401  (registers the schemas)
-    checks,
-    reference,
-)
+from .. import _C  # noqa: F401  (registers the schemas)
+from . import checks, reference
+from .packing import PANEL
 
 LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache",
              "panel_linear")
@@ -141,4 +139,4 @@ def _qkv_rope_cache_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, 
 @torch.library.register_fake("dflash::panel_linear")
 def _panel_linear_fake(x, weight_panels, bias):
     checks.panel_linear_meta(x, weight_panels, bias)
-    return x.new_empty(*x.shape[:-1], weight_panels.shape[0] * reference.PANEL)
+    return x.new_empty(*x.shape[:-1], weight_panels.shape[0] * PANEL)

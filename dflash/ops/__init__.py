@@ -13,14 +13,15 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _library, npu_attention, reference
+from . import npu_attention, registry
+from .packing import from_panels, to_pair_panels, to_panels  # noqa: F401  (the layouts panel_linear takes)
 
 
 def implementation(op: str) -> str:
     """'kernel (<capability>)' or 'reference' for the CPU implementation of `op`."""
-    if op not in _library.OPS:
-        raise ValueError(f"unknown dflash op {op!r}; known: {', '.join(_library.OPS)}")
-    return f"kernel ({_library.CPU_CAPABILITY})" if _library.has_kernel(op) else "reference"
+    if op not in registry.OPS:
+        raise ValueError(f"unknown dflash op {op!r}; known: {', '.join(registry.OPS)}")
+    return f"kernel ({registry.CPU_CAPABILITY})" if registry.has_kernel(op) else "reference"
 
 
 def context_kv(hidden: torch.Tensor, fc_weight: torch.Tensor | None,
@@ -82,7 +83,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         [Tq, Hq, D] in the query dtype; softmax in float32.
 
     On an Ascend NPU, `DFLASH_NPU_ATTENTION=fused_infer` serves this call with torch_npu's
-    `npu_fused_infer_attention_score` instead of dflash's kernel (see `dflash.npu_attention`).
+    `npu_fused_infer_attention_score` instead of dflash's kernel (see `dflash.ops.npu_attention`).
     """
     return npu_attention.paged_attention(query, key, value, key_cache, value_cache, block_table,
                                          context_lens, cu_query_lens, scale, causal, validate)
@@ -174,10 +175,6 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
     """
     return torch.ops.dflash.qkv_rope_cache(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
                                            value_cache, slot_mapping, num_heads, eps, validate)
-
-
-to_panels, to_pair_panels, from_panels = (reference.to_panels, reference.to_pair_panels,
-                                      reference.from_panels)
 
 
 def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,

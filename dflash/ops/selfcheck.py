@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, reference, testing
+from .. import ops
+from . import cases, reference
 
 CASES = {
-    "context_kv": lambda dtype: testing.context_kv_inputs(
+    "context_kv": lambda dtype: cases.context_kv_inputs(
         n=24, d_in=256, h=128, layers=2, hkv=2, d=64, num_blocks=8, block_size=16, dtype=dtype,
         stacked=True, skip_every=5),
-    "paged_attention": lambda dtype: testing.paged_attention_inputs(
+    "paged_attention": lambda dtype: cases.paged_attention_inputs(
         context_lens=(37, 5, 0), query_lens=(16, 16, 16), hq=8, hkv=2, d=64, block_size=16,
         dtype=dtype),
-    "rejection_sample": lambda dtype: testing.rejection_sample_inputs(bs=4, k=15, v=1000),
-    **{op: lambda dtype, make=make: make(dtype) for op, make in testing.LAYER_OP_INPUTS.items()},
+    "rejection_sample": lambda dtype: cases.rejection_sample_inputs(bs=4, k=15, v=1000),
+    **{op: lambda dtype, make=make: make(dtype) for op, make in cases.LAYER_OP_INPUTS.items()},
 }
 
 

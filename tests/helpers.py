@@ -1,128 +1,10 @@
-"""Random, valid inputs for the three ops (tests mutate them to build bad cases).
-
-Shared by the reference tests, the kernel tests and the benchmarks so every implementation is
-exercised on the same cases.
-"""
+"""Test helpers: tiny random checkpoints, a stand-in tokenizer, the Hugging Face greedy oracle."""
 
 from __future__ import annotations
 
 import random
 
 import torch
-
-from . import reference
-
-
-def rope_cache(max_pos: int, head_dim: int, theta: float = 1e6) -> torch.Tensor:
-    """[max_pos, D] float32 rows [cos(D/2) | sin(D/2)] for NeoX RoPE."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
-
-
-def context_kv_inputs(n=5, d_in=48, h=32, layers=2, hkv=2, d=16, num_blocks=6, block_size=4,
-                      with_fc=True, with_bias=False, dtype=torch.float32, stacked=False,
-                      skip_every=0, seed=0) -> dict:
-    """Caches hold NaN; `stacked`: False = one tensor per cache, True = views of one
-    [2, L, num_blocks, ...] tensor, "block_major" = views of one [num_blocks, L, 2, ...] tensor,
-    "vllm_cpu" = per layer views of one [num_blocks, Hkv, 2 * block_size, D] tensor with K
-    transposed inside each block (head_dim stride block_size), as vLLM's CPU attention keeps it."""
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    rows = layers * 2 * hkv * d
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
-    if skip_every:
-        slots[::skip_every] = -1
-    cache_shape = (num_blocks, block_size, hkv, d)
-    if stacked == "vllm_cpu":
-        kv = [torch.full((num_blocks, hkv, 2, block_size * d), float("nan"), dtype=dtype)
-              for _ in range(layers)]
-        key_caches = [c[:, :, 0].view(num_blocks, hkv, d, block_size).permute(0, 3, 1, 2)
-                      for c in kv]
-        value_caches = [c[:, :, 1].view(num_blocks, hkv, block_size, d).transpose(1, 2)
-                        for c in kv]
-    elif stacked == "block_major":   # [num_blocks, L, 2, ...]: each cache is a strided view
-        kv = torch.full((num_blocks, layers, 2, *cache_shape[1:]), float("nan"), dtype=dtype)
-        key_caches, value_caches = list(kv[:, :, 0].unbind(1)), list(kv[:, :, 1].unbind(1))
-    elif stacked:                  # [2, L, ...]: each cache is a contiguous slice
-        kc, vc = torch.full((2, layers, *cache_shape), float("nan"), dtype=dtype).unbind(0)
-        key_caches, value_caches = list(kc.unbind(0)), list(vc.unbind(0))
-    else:
-        key_caches = [torch.full(cache_shape, float("nan"), dtype=dtype) for _ in range(layers)]
-        value_caches = [torch.full(cache_shape, float("nan"), dtype=dtype) for _ in range(layers)]
-    return dict(
-        hidden=rnd(n, d_in if with_fc else h),
-        fc_weight=rnd(h, d_in) / d_in**0.5 if with_fc else None,
-        hidden_norm_weight=1 + 0.1 * rnd(h),
-        kv_weight=rnd(rows, h) / h**0.5,
-        kv_bias=0.1 * rnd(rows) if with_bias else None,
-        k_norm_weight=1 + 0.1 * rnd(layers, d),
-        positions=torch.randint(0, 64, (n,), generator=g),
-        cos_sin_cache=rope_cache(64, d),
-        slot_mapping=slots.long(),
-        key_caches=key_caches,
-        value_caches=value_caches,
-        eps=1e-6,
-    )
-
-
-def paged_attention_inputs(context_lens=(3, 0, 9), query_lens=(2, 1, 4), hq=4, hkv=2, d=8,
-                           block_size=4, extra_blocks=2, causal=False, dtype=torch.float32,
-                           seed=0) -> dict:
-    """A ragged batch whose sequences own shuffled, non-contiguous cache blocks."""
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    blocks_per_seq = [(c + block_size - 1) // block_size for c in context_lens]
-    max_blocks = max(max(blocks_per_seq), 1)
-    num_blocks = sum(blocks_per_seq) + extra_blocks
-    order = torch.randperm(num_blocks, generator=g)
-    block_table = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
-    used = 0
-    for b, nb in enumerate(blocks_per_seq):
-        block_table[b, :nb] = order[used : used + nb].int()
-        used += nb
-    tq = sum(query_lens)
-    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return dict(
-        query=rnd(tq, hq, d),
-        key=rnd(tq, hkv, d),
-        value=rnd(tq, hkv, d),
-        key_cache=rnd(num_blocks, block_size, hkv, d),
-        value_cache=rnd(num_blocks, block_size, hkv, d),
-        block_table=block_table,
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        cu_query_lens=cu,
-        scale=d**-0.5,
-        causal=causal,
-    )
-
-
-def rejection_sample_inputs(bs=4, k=3, v=11, dense=True, greedy_every=2, seed=0,
-                            peaked=True, draft_noise=1.0) -> dict:
-    """Target/draft distributions where drafts are often, but not always, accepted.
-
-    draft_noise scales the draft's logit noise: 0 makes q equal p (nearly everything accepted).
-    """
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(bs, k + 1, v, generator=g) * (3.0 if peaked else 1.0)
-    target_probs = torch.softmax(logits, -1)
-    draft_logits = logits[:, :k] + draft_noise * torch.randn(bs, k, v, generator=g)
-    draft_probs = torch.softmax(draft_logits, -1)
-    draft_token_ids = torch.multinomial(draft_probs.view(-1, v), 1, generator=g).view(bs, k)
-    is_greedy = torch.zeros(bs, dtype=torch.bool)
-    if greedy_every:
-        is_greedy[::greedy_every] = True
-    return dict(
-        draft_token_ids=draft_token_ids,
-        draft_probs=draft_probs if dense else None,
-        target_probs=target_probs,
-        is_greedy=is_greedy,
-        uniform=torch.rand(bs, k, generator=g),
-        exponential=torch.empty(bs, v).exponential_(generator=g),
-    )
-
-
-# ------------------------------------------------------------------ tiny random checkpoints
 
 TINY_TARGETS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
@@ -137,64 +19,16 @@ TINY_TARGETS = {
 }
 
 
-# Inputs of the decoder layer's small ops (small shapes; caches hold 12 slots).
-
-def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-
-def rms_norm_inputs(dtype=torch.float32, shape=(5, 96)):
-    return {"x": _randn(*shape, dtype=dtype, scale=3), "eps": 1e-6,
-            "weight": (_randn(shape[-1], seed=1) * 0.5 + 1).to(dtype)}
-
-
-def add_rms_norm_inputs(dtype=torch.float32, shape=(5, 96)):
-    return {**rms_norm_inputs(dtype, shape), "residual": _randn(*shape, dtype=dtype, seed=2)}
-
-
-def silu_and_mul_inputs(dtype=torch.float32, shape=(5, 2 * 80)):
-    return {"x": _randn(*shape, dtype=dtype, scale=3)}
-
-
-def _cos_sin(t, d, seed=3):
-    angles = _randn(t, d // 2, seed=seed, scale=10)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-def rope_inputs(dtype=torch.float32, shape=(5, 6, 32)):
-    return {"x": _randn(*shape, dtype=dtype), "cos_sin": _cos_sin(shape[0], shape[2])}
-
-
-def qkv_rope_cache_inputs(dtype=torch.float32, t=5, hq=4, hkv=2, d=32, norm=True):
-    cache = (3, 4, hkv, d)   # 12 slots
-    return {"qkv": _randn(t, (hq + 2 * hkv) * d, dtype=dtype),
-            "q_norm_weight": _randn(d, seed=4).to(dtype) if norm else None,
-            "k_norm_weight": _randn(d, seed=5).to(dtype) if norm else None,
-            "cos_sin": _cos_sin(t, d), "key_cache": _randn(*cache, dtype=dtype, seed=6),
-            "value_cache": _randn(*cache, dtype=dtype, seed=7),
-            "slot_mapping": torch.tensor([5, -1, 11, 0, 6])[:t], "num_heads": hq, "eps": 1e-6}
-
-
-def panel_linear_inputs(dtype=torch.float32, rows=5, n=48, k=37, bias=True, pairs=False):
-    """Small integers over powers of two: every product and sum is exact in float32, so any
-    summation order gives the same result. pairs: the weight in pair panels (bfloat16, k even)."""
-    g = torch.Generator().manual_seed(8)
-    weight = torch.randint(-8, 9, (n, k), generator=g) / 16
-    layout = reference.to_pair_panels if pairs else reference.to_panels
-    return {"x": torch.randint(-8, 9, (rows, k), generator=g).to(dtype),
-            "weight_panels": layout(weight.to(dtype)),
-            "bias": torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4 if bias else None}
-
-
 def packed_weight_dtypes() -> list[torch.dtype]:
     """The dtypes `pack_linear_weight` re-lays out on CPU (oneDNN's layout or panels)."""
     return [torch.float32, torch.bfloat16]
 
 
-LAYER_OP_INPUTS = {"rms_norm": rms_norm_inputs, "add_rms_norm": add_rms_norm_inputs,
-                   "silu_and_mul": silu_and_mul_inputs, "rope": rope_inputs,
-                   "qkv_rope_cache": qkv_rope_cache_inputs, "panel_linear": panel_linear_inputs}
+def serving_engine(*args, **kwargs):
+    """The engine a `dflash.serve.Server` runs: `LLM`'s arguments, failing requests isolated."""
+    from dflash.engine import EngineArgs, LLMEngine
+
+    return LLMEngine(EngineArgs(*args, **kwargs), isolate_errors=True)
 
 
 class CharTokenizer:
@@ -242,7 +76,7 @@ def make_tiny_draft(directory, target_dir, num_layers: int = 2, block_size: int 
 
     from safetensors.torch import save_file
 
-    from .models.config import default_target_layer_ids
+    from dflash.models.config import default_target_layer_ids
 
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     h, ht = tcfg["hidden_size"], tcfg["hidden_size"]
@@ -317,7 +151,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def sequence_metadata(start: int, length: int, blocks: list[int], block_size: int):
     """AttentionMetadata for one sequence adding tokens start..start+length-1 to a paged cache
     whose logical block i is physical block blocks[i]."""
-    from .models.layers import build_metadata
+    from dflash.models.layers import build_metadata
 
     return build_metadata([blocks], [start], [length], block_size)
 

@@ -1,0 +1,59 @@
+"""`EngineArgs`: what an engine is built from (the arguments of `dflash.LLM`), checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    """The engine's configuration; `dflash.LLM` documents each field."""
+
+    target: object
+    draft: object = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "cpu"
+    max_num_seqs: int = 8
+    block_size: int | None = None
+    kv_block_size: int = 16
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    draft_sampling: str = "greedy"
+    cp_size: int = 1
+    tokenizer: object = None
+    tp_size: int = 1
+    tp_timeout: float = 300.0
+    speculation: str = "adaptive"
+    recalibrate: bool = False
+
+    def __post_init__(self):
+        if self.cp_size != 1:
+            raise ValueError(f"context parallelism (cp_size={self.cp_size}) is not supported; "
+                             "use cp_size=1")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.speculation not in ("adaptive", "fixed"):
+            raise ValueError(f"speculation must be 'adaptive' or 'fixed', "
+                             f"got {self.speculation!r}")
+        if self.dtype != "auto":
+            dtype = DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) \
+                else self.dtype
+            if dtype not in DTYPES.values():
+                raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, "
+                                 f"got {self.dtype!r}")
+            self.dtype = dtype
+
+    @property
+    def served_len(self) -> int:
+        """The length RoPE tables and TP ranks are built for (the default max_model_len)."""
+        return self.max_model_len or 4096
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
