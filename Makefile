@@ -24,5 +24,8 @@ test-vllm:
 	.ci/vllm-env .venv-vllm
 	.venv-vllm/bin/python -m pytest -q -m vllm
 
+# Python by ruff, C++ (csrc/, ascend_kernels/, tests/*.cpp) by clang-format and .clang-format
 lint:
 	ruff check .
+	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'ascend_kernels/*.cpp' \
+	  'ascend_kernels/*.h' 'tests/*.cpp')

@@ -22,12 +22,12 @@ constexpr uint32_t kSlot = 8;  // floats per 32-byte slot
 
 template <typename T>
 class ContextKvEpilogue {
-  static constexpr bool kFloat = dflash_kernels::IsSame<T, float>::value;
+  static constexpr bool kFloat = dflash::ascend::kernel::IsSame<T, float>::value;
 
  public:
   __aicore__ inline void Init(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions, GM_ADDR cos_sin,
                               GM_ADDR slot_mapping, GM_ADDR cache_table, GM_ADDR tiling) {
-    dflash_kernels::LoadTiling(t_, tiling);
+    dflash::ascend::kernel::LoadTiling(t_, tiling);
     half_ = t_.head_dim / 2;
     headLanes_ = 2 * t_.half_pad;
     lanes_ = t_.kv_heads * headLanes_;
@@ -49,7 +49,7 @@ class ContextKvEpilogue {
     pipe_.InitBuffer(tBuf_, lanes_ * sizeof(float));
     pipe_.InitBuffer(weightBuf_, 2 * t_.layers * t_.half_pad * sizeof(float));
     pipe_.InitBuffer(cosSinQue_, 1, 2 * CosSinStride() * sizeof(float));
-    pipe_.InitBuffer(vBuf_, dflash_kernels::Align32(t_.kv_heads * t_.head_dim * sizeof(T)));
+    pipe_.InitBuffer(vBuf_, dflash::ascend::kernel::Align32(t_.kv_heads * t_.head_dim * sizeof(T)));
     pipe_.InitBuffer(sumBuf_, t_.kv_heads * kSlot * sizeof(float));
     pipe_.InitBuffer(onesBuf_, t_.kv_heads * kSlot * sizeof(float));
     pipe_.InitBuffer(tmpBuf_, t_.reduce_tmp * sizeof(float));
@@ -93,7 +93,7 @@ class ContextKvEpilogue {
     } else {
       AscendC::DataCopyPad(weightRawBuf_.Get<T>(), weights_, rows, zeroPad);
     }
-    dflash_kernels::Sync<HardEvent::MTE2_V>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::MTE2_V>(pipe_);
     if constexpr (!kFloat) {
       AscendC::Cast(w, weightRawBuf_.Get<T>(), AscendC::RoundMode::CAST_NONE,
                     2 * t_.layers * t_.half_pad);
@@ -156,7 +156,7 @@ class ContextKvEpilogue {
     AscendC::Sqrt(sums, sums, n);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Div(sums, onesBuf_.Get<float>(), sums, n);
-    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
     for (uint32_t h = 0; h < t_.kv_heads; ++h) {
       AscendC::Muls(x[h * headLanes_], x[h * headLanes_], sums.GetValue(h * kSlot), headLanes_);
     }
@@ -210,9 +210,9 @@ class ContextKvEpilogue {
     valueWritten_.Wait();
     LocalTensor<T> v = vBuf_.Get<T>();
     const uint32_t n = t_.kv_heads * t_.head_dim;
-    dflash_kernels::CopyIn(v, kv_[t * rowElems_ + (2 * l + 1) * n], n);
-    dflash_kernels::Sync<HardEvent::MTE2_MTE3>(pipe_);
-    dflash_kernels::CopyOut(CacheRow(l, 1, slot), v, n);
+    dflash::ascend::kernel::CopyIn(v, kv_[t * rowElems_ + (2 * l + 1) * n], n);
+    dflash::ascend::kernel::Sync<HardEvent::MTE2_MTE3>(pipe_);
+    dflash::ascend::kernel::CopyOut(CacheRow(l, 1, slot), v, n);
     valueWritten_.Set();
   }
 
@@ -224,7 +224,7 @@ class ContextKvEpilogue {
   AscendC::TQue<TPosition::VECOUT, kBufferNum> kOutQue_;
   AscendC::TQue<TPosition::VECIN, 1> cosSinQue_;
   AscendC::TBuf<TPosition::VECIN> weightRawBuf_, weightBuf_, vBuf_;  // DataCopyPad: VECIN on A2
-  dflash_kernels::CarriedFlag<HardEvent::MTE3_MTE2> valueWritten_;  // vBuf_ is reused
+  dflash::ascend::kernel::CarriedFlag<HardEvent::MTE3_MTE2> valueWritten_;  // vBuf_ is reused
   AscendC::TBuf<TPosition::VECCALC> xBuf_, yBuf_, tBuf_, sumBuf_, onesBuf_, tmpBuf_;
   AscendC::GlobalTensor<T> kv_, weights_;
   AscendC::GlobalTensor<float> cosSin_;

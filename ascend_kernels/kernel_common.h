@@ -4,7 +4,7 @@
 #include "kernel_operator.h"
 #include "tiling_data.h"
 
-namespace dflash_kernels {
+namespace dflash::ascend::kernel {
 
 template <typename A, typename B>
 struct IsSame {
@@ -51,9 +51,13 @@ class CarriedFlag {
 };
 
 // DMA into the UB writes whole 32-byte blocks, so buffers are sized in them.
-__aicore__ inline uint32_t Align32(uint32_t bytes) { return (bytes + 31) / 32 * 32; }
+__aicore__ inline uint32_t Align32(uint32_t bytes) {
+  return (bytes + 31) / 32 * 32;
+}
 
-__aicore__ inline uint32_t Min(uint32_t a, uint32_t b) { return a < b ? a : b; }
+__aicore__ inline uint32_t Min(uint32_t a, uint32_t b) {
+  return a < b ? a : b;
+}
 
 // Tiling structs hold 32-bit words only; scalar loads copy them out of GM.
 template <typename T>
@@ -86,4 +90,4 @@ __aicore__ inline void CopyOut(const AscendC::GlobalTensor<T>& dst,
   AscendC::DataCopyPad(dst, src, params);
 }
 
-}  // namespace dflash_kernels
+}  // namespace dflash::ascend::kernel

@@ -29,26 +29,26 @@ using AscendC::LocalTensor;
 using AscendC::TPosition;
 
 constexpr int32_t kBufferNum = 2;
-constexpr uint32_t kSlot = 8;          // floats per 32-byte slot
-constexpr float kNoMax = -3.0e38f;     // running max before any key: exp(kNoMax - m) is 0
+constexpr uint32_t kSlot = 8;       // floats per 32-byte slot
+constexpr float kNoMax = -3.0e38f;  // running max before any key: exp(kNoMax - m) is 0
 
 // The keys [first, first + count) of the current item, all in one cache block or all new tokens.
 struct Chunk {
   uint32_t first;
-  uint32_t count;    // 0: no keys left
-  uint64_t offset;   // element offset of the first key's row for this kv head
-  bool cached;       // in key_cache / value_cache, else in key / value
+  uint32_t count;   // 0: no keys left
+  uint64_t offset;  // element offset of the first key's row for this kv head
+  bool cached;      // in key_cache / value_cache, else in key / value
 };
 
 template <typename T>
 class PagedAttention {
-  static constexpr bool kFloat = dflash_kernels::IsSame<T, float>::value;
+  static constexpr bool kFloat = dflash::ascend::kernel::IsSame<T, float>::value;
 
  public:
   __aicore__ inline void Init(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache,
                               GM_ADDR value_cache, GM_ADDR block_table, GM_ADDR context_lens,
                               GM_ADDR cu_query_lens, GM_ADDR out, GM_ADDR tiling) {
-    dflash_kernels::LoadTiling(t_, tiling);
+    dflash::ascend::kernel::LoadTiling(t_, tiling);
     pad_ = t_.head_pad;
     rowStride_ = t_.kv_heads * t_.head_dim;
     query_.SetGlobalBuffer((__gm__ T*)query);
@@ -64,15 +64,15 @@ class PagedAttention {
     const uint32_t rows = t_.q_tile * t_.head_tile, keys = t_.kv_tile * pad_;
     pipe_.InitBuffer(qBuf_, rows * pad_ * sizeof(float));
     pipe_.InitBuffer(oBuf_, rows * pad_ * sizeof(float));
-    pipe_.InitBuffer(kQue_, kBufferNum, dflash_kernels::Align32(keys * sizeof(T)));
-    pipe_.InitBuffer(vQue_, kBufferNum, dflash_kernels::Align32(keys * sizeof(T)));
+    pipe_.InitBuffer(kQue_, kBufferNum, dflash::ascend::kernel::Align32(keys * sizeof(T)));
+    pipe_.InitBuffer(vQue_, kBufferNum, dflash::ascend::kernel::Align32(keys * sizeof(T)));
     pipe_.InitBuffer(prodBuf_, keys * sizeof(float));
     if constexpr (!kFloat) {
-      pipe_.InitBuffer(rawBuf_, dflash_kernels::Align32(rows * pad_ * sizeof(T)));
+      pipe_.InitBuffer(rawBuf_, dflash::ascend::kernel::Align32(rows * pad_ * sizeof(T)));
       pipe_.InitBuffer(kBuf_, keys * sizeof(float));
       pipe_.InitBuffer(vBuf_, keys * sizeof(float));
     }
-    pipe_.InitBuffer(scoreBuf_, dflash_kernels::Align32((t_.kv_tile + 1) * sizeof(float)));
+    pipe_.InitBuffer(scoreBuf_, dflash::ascend::kernel::Align32((t_.kv_tile + 1) * sizeof(float)));
     pipe_.InitBuffer(resultBuf_, 2 * kSlot * sizeof(float));
     pipe_.InitBuffer(reduceTmpBuf_, t_.reduce_tmp * sizeof(float));
     pipe_.InitBuffer(sumTmpBuf_, t_.sum_tmp);
@@ -90,8 +90,9 @@ class PagedAttention {
         for (uint32_t g = 0; g < t_.kv_heads; ++g) {
           for (uint32_t h0 = 0; h0 < t_.group; h0 += t_.head_tile, ++item) {
             if (item % blocks != block) continue;
-            item_ = {seq, g, q0, dflash_kernels::Min(t_.q_tile, newTokens - q0), h0,
-                     dflash_kernels::Min(t_.head_tile, t_.group - h0)};
+            item_ = {seq, g,
+                     q0,  dflash::ascend::kernel::Min(t_.q_tile, newTokens - q0),
+                     h0,  dflash::ascend::kernel::Min(t_.head_tile, t_.group - h0)};
             // causal: the item's last position sees keys up to the context plus itself
             keyEnd_ = context_ + (t_.causal ? item_.q0 + item_.qn : newTokens);
             rows_ = item_.qn * item_.hn;
@@ -126,7 +127,7 @@ class PagedAttention {
     AscendC::DataCopyPadExtParams<T> zeroPad{true, 0, static_cast<uint8_t>(pad_ - t_.head_dim), 0};
     for (uint32_t p = 0; p < item_.qn; ++p)
       AscendC::DataCopyPad(dst[p * item_.hn * pad_], query_[HeadOffset(p)], heads, zeroPad);
-    dflash_kernels::Sync<HardEvent::MTE2_V>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::MTE2_V>(pipe_);
     if constexpr (!kFloat) {
       AscendC::Cast(qBuf_.Get<float>(), dst, AscendC::RoundMode::CAST_NONE, rows_ * pad_);
     }
@@ -145,12 +146,11 @@ class PagedAttention {
     const uint64_t head = static_cast<uint64_t>(item_.kv_head) * t_.head_dim;
     if (c.cached) {
       const uint32_t inBlock = first % t_.block_size;
-      const uint32_t left = t_.block_size - inBlock < context_ - first ? t_.block_size - inBlock
-                                                                      : context_ - first;
+      const uint32_t left =
+          t_.block_size - inBlock < context_ - first ? t_.block_size - inBlock : context_ - first;
       c.count = left < t_.kv_tile ? left : t_.kv_tile;
-      const uint64_t block = static_cast<uint32_t>(
-          blockTable_.GetValue(static_cast<uint64_t>(item_.seq) * t_.max_blocks +
-                               first / t_.block_size));
+      const uint64_t block = static_cast<uint32_t>(blockTable_.GetValue(
+          static_cast<uint64_t>(item_.seq) * t_.max_blocks + first / t_.block_size));
       c.offset = (block * t_.block_size + inBlock) * rowStride_ + head;
     } else {
       const uint32_t left = keyEnd_ - first;
@@ -161,10 +161,9 @@ class PagedAttention {
   }
 
   __aicore__ inline void Prefetch(const Chunk& c) {
-    AscendC::DataCopyExtParams rows{static_cast<uint16_t>(c.count),
-                                    static_cast<uint32_t>(t_.head_dim * sizeof(T)),
-                                    static_cast<uint32_t>((rowStride_ - t_.head_dim) * sizeof(T)),
-                                    0, 0};
+    AscendC::DataCopyExtParams rows{
+        static_cast<uint16_t>(c.count), static_cast<uint32_t>(t_.head_dim * sizeof(T)),
+        static_cast<uint32_t>((rowStride_ - t_.head_dim) * sizeof(T)), 0, 0};
     AscendC::DataCopyPadExtParams<T> zeroPad{true, 0, static_cast<uint8_t>(pad_ - t_.head_dim), 0};
     LocalTensor<T> k = kQue_.template AllocTensor<T>();
     AscendC::DataCopyPad(k, (c.cached ? keyCache_ : key_)[c.offset], rows, zeroPad);
@@ -236,18 +235,18 @@ class PagedAttention {
     AscendC::Sum(s, prod, sumTmpBuf_.Get<uint8_t>(), AscendC::SumParams{n, pad_, d});
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Muls(s, s, t_.scale, n);
-    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
     s.SetValue(n, max_[r]);  // lane n: exp(m - m') comes out of the same Exp as the p_j
-    dflash_kernels::Sync<HardEvent::S_V>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::S_V>(pipe_);
     AscendC::ReduceMax(result, s, reduceTmp, n + 1);
-    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
     const float newMax = result.GetValue(0);
     AscendC::Adds(s, s, -newMax, n + 1);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Exp(s, s, n + 1);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::ReduceSum(result[kSlot], s, reduceTmp, n);
-    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
     const float rescale = s.GetValue(n);
     sum_[r] = sum_[r] * rescale + result.GetValue(kSlot);
     max_[r] = newMax;
@@ -278,7 +277,7 @@ class PagedAttention {
       src = rawBuf_.Get<T>();
       AscendC::Cast(src, o, AscendC::RoundMode::CAST_RINT, rows_ * pad_);
     }
-    dflash_kernels::Sync<HardEvent::V_MTE3>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::V_MTE3>(pipe_);
     AscendC::DataCopyExtParams heads{static_cast<uint16_t>(item_.hn),
                                      static_cast<uint32_t>(t_.head_dim * sizeof(T)), 0, 0, 0};
     for (uint32_t p = 0; p < item_.qn; ++p)
@@ -297,7 +296,7 @@ class PagedAttention {
   AscendC::TBuf<TPosition::VECOUT> oBuf_;
   AscendC::TBuf<TPosition::VECCALC> prodBuf_, kBuf_, vBuf_, scoreBuf_, resultBuf_, reduceTmpBuf_,
       sumTmpBuf_;
-  dflash_kernels::CarriedFlag<HardEvent::MTE3_MTE2> outputWritten_;
+  dflash::ascend::kernel::CarriedFlag<HardEvent::MTE3_MTE2> outputWritten_;
   AscendC::GlobalTensor<T> query_, key_, value_, keyCache_, valueCache_, out_;
   AscendC::GlobalTensor<int32_t> blockTable_, contextLens_, cuQueryLens_;
 };
@@ -306,23 +305,22 @@ template <typename T>
 __aicore__ inline void RunPagedAttention(GM_ADDR query, GM_ADDR key, GM_ADDR value,
                                          GM_ADDR key_cache, GM_ADDR value_cache,
                                          GM_ADDR block_table, GM_ADDR context_lens,
-                                         GM_ADDR cu_query_lens, GM_ADDR out,
-                                         GM_ADDR tiling) {
+                                         GM_ADDR cu_query_lens, GM_ADDR out, GM_ADDR tiling) {
   PagedAttention<T> op;
-  op.Init(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          out, tiling);
+  op.Init(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
+          tiling);
   op.Process();
 }
 
 }  // namespace
 
-#define DFLASH_PAGED_ATTENTION_KERNEL(NAME, TYPE)                                                \
-  extern "C" __global__ __aicore__ void NAME(                                                    \
-      GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache, GM_ADDR value_cache,         \
-      GM_ADDR block_table, GM_ADDR context_lens, GM_ADDR cu_query_lens, GM_ADDR out,             \
-      GM_ADDR tiling) {                                                                          \
-    RunPagedAttention<TYPE>(query, key, value, key_cache, value_cache, block_table, context_lens, \
-                            cu_query_lens, out, tiling);                                         \
+#define DFLASH_PAGED_ATTENTION_KERNEL(NAME, TYPE)                                                  \
+  extern "C" __global__ __aicore__ void NAME(GM_ADDR query, GM_ADDR key, GM_ADDR value,            \
+                                             GM_ADDR key_cache, GM_ADDR value_cache,               \
+                                             GM_ADDR block_table, GM_ADDR context_lens,            \
+                                             GM_ADDR cu_query_lens, GM_ADDR out, GM_ADDR tiling) { \
+    RunPagedAttention<TYPE>(query, key, value, key_cache, value_cache, block_table, context_lens,  \
+                            cu_query_lens, out, tiling);                                           \
   }
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32, float)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16, half)
@@ -341,18 +339,18 @@ extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, 
   switch (dtype) {
     case 0:
       dflash_paged_attention_fp32<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          out, tiling);
+          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
+          tiling);
       break;
     case 1:
       dflash_paged_attention_fp16<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          out, tiling);
+          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
+          tiling);
       break;
     default:
       dflash_paged_attention_bf16<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          out, tiling);
+          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
+          tiling);
       break;
   }
 }

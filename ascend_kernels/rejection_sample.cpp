@@ -4,7 +4,7 @@
 // streamed through the unified buffer in tiles; every "argmax over the vocabulary" (greedy target
 // rows, the residual r / exponential of a rejected position, the bonus token) is one pass over the
 // tiles that keeps the first index of the maximum, exactly like torch.argmax. Acceptance coins are
-// scalar reads. The host launcher has validated every input (dflash/ops/checks.py rules).
+// scalar reads. The host launcher has checked every input (dflash/ops/checks.py rules).
 #include "kernel_common.h"
 
 namespace {
@@ -34,7 +34,7 @@ class RejectionSampler {
   __aicore__ inline void Init(GM_ADDR draft_ids, GM_ADDR draft_probs, GM_ADDR target_probs,
                               GM_ADDR is_greedy, GM_ADDR uniform, GM_ADDR exponential,
                               GM_ADDR out_ids, GM_ADDR num_accepted, GM_ADDR tiling) {
-    dflash_kernels::LoadTiling(t_, tiling);
+    dflash::ascend::kernel::LoadTiling(t_, tiling);
     draftIds_.SetGlobalBuffer((__gm__ int64_t*)draft_ids);
     targetProbs_.SetGlobalBuffer((__gm__ float*)target_probs);
     if (t_.dense) draftProbs_.SetGlobalBuffer((__gm__ float*)draft_probs);
@@ -51,11 +51,11 @@ class RejectionSampler {
     pipe_.InitBuffer(workBuf_, tileBytes);
     pipe_.InitBuffer(rampBuf_, tileBytes);
     pipe_.InitBuffer(candBuf_, tileBytes);
-    pipe_.InitBuffer(maskBuf_, dflash_kernels::Align32(t_.tile / 8));
+    pipe_.InitBuffer(maskBuf_, dflash::ascend::kernel::Align32(t_.tile / 8));
     pipe_.InitBuffer(tmpBuf_, t_.reduce_tmp * sizeof(float));
     pipe_.InitBuffer(scalarBuf_, 3 * kSlot * sizeof(float));
-    pipe_.InitBuffer(rowBuf_, dflash_kernels::Align32((t_.drafts + 1) * sizeof(int64_t)));
-    pipe_.InitBuffer(countBuf_, dflash_kernels::Align32(sizeof(int64_t)));
+    pipe_.InitBuffer(rowBuf_, dflash::ascend::kernel::Align32((t_.drafts + 1) * sizeof(int64_t)));
+    pipe_.InitBuffer(countBuf_, dflash::ascend::kernel::Align32(sizeof(int64_t)));
     rowWritten_.Init(pipe_);
     BuildIndexRamp();
   }
@@ -77,7 +77,7 @@ class RejectionSampler {
   __aicore__ inline void BuildIndexRamp() {
     LocalTensor<float> ramp = rampBuf_.Get<float>();
     for (uint32_t i = 0; i < 8; ++i) ramp.SetValue(i, static_cast<float>(i));
-    dflash_kernels::Sync<HardEvent::S_V>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::S_V>(pipe_);
     for (uint32_t have = 8; have < t_.tile; have *= 2) {
       const uint32_t n = have < t_.tile - have ? have : t_.tile - have;
       AscendC::Adds(ramp[have], ramp, static_cast<float>(have), n);
@@ -153,9 +153,9 @@ class RejectionSampler {
       } else if (weights == Weights::kResidualOneHot) {
         AscendC::Muls(work, p, 1.0f, n);  // exact copy
         if (draft >= start && draft < start + n) {
-          dflash_kernels::Sync<HardEvent::V_S>(pipe_);
+          dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
           work.SetValue(draft - start, 0.0f);
-          dflash_kernels::Sync<HardEvent::S_V>(pipe_);
+          dflash::ascend::kernel::Sync<HardEvent::S_V>(pipe_);
         } else {
           AscendC::PipeBarrier<PIPE_V>();
         }
@@ -182,7 +182,7 @@ class RejectionSampler {
   __aicore__ inline void Load(AscendC::TQue<TPosition::VECIN, kBufferNum>& que,
                               const AscendC::GlobalTensor<float>& src, uint32_t n) {
     LocalTensor<float> tile = que.AllocTensor<float>();
-    dflash_kernels::CopyIn(tile, src, n);
+    dflash::ascend::kernel::CopyIn(tile, src, n);
     que.EnQue(tile);
   }
 
@@ -195,7 +195,7 @@ class RejectionSampler {
     LocalTensor<float> tmp = tmpBuf_.Get<float>();
     LocalTensor<float> cand = candBuf_.Get<float>();
     AscendC::ReduceMax(scalars, w, tmp, n);
-    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
     const float tileMax = scalars.GetValue(0);
     if (residual) {
       const float r = scalars.GetValue(2 * kSlot);
@@ -213,7 +213,7 @@ class RejectionSampler {
                     AscendC::SELMODE::VSEL_TENSOR_SCALAR_MODE, n);
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::ReduceMin(scalars[kSlot], cand, tmp, n);
-    dflash_kernels::Sync<HardEvent::V_S>(pipe_);
+    dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
     best = tileMax;
     result.index = start + static_cast<uint32_t>(scalars.GetValue(kSlot));
   }
@@ -230,10 +230,10 @@ class RejectionSampler {
       row.SetValue(i, token);
     }
     count.SetValue(0, accepted);
-    dflash_kernels::Sync<HardEvent::S_MTE3>(pipe_);
-    dflash_kernels::CopyOut(outIds_[static_cast<uint64_t>(b) * (t_.drafts + 1)], row,
-                            t_.drafts + 1);
-    dflash_kernels::CopyOut(numAccepted_[b], count, 1);
+    dflash::ascend::kernel::Sync<HardEvent::S_MTE3>(pipe_);
+    dflash::ascend::kernel::CopyOut(outIds_[static_cast<uint64_t>(b) * (t_.drafts + 1)], row,
+                                    t_.drafts + 1);
+    dflash::ascend::kernel::CopyOut(numAccepted_[b], count, 1);
     rowWritten_.Set();
   }
 
@@ -242,7 +242,7 @@ class RejectionSampler {
   AscendC::TQue<TPosition::VECIN, kBufferNum> pQue_, eQue_, qQue_;
   AscendC::TBuf<TPosition::VECCALC> workBuf_, rampBuf_, candBuf_, maskBuf_, tmpBuf_, scalarBuf_;
   AscendC::TBuf<TPosition::VECOUT> rowBuf_, countBuf_;
-  dflash_kernels::CarriedFlag<HardEvent::MTE3_S> rowWritten_;
+  dflash::ascend::kernel::CarriedFlag<HardEvent::MTE3_S> rowWritten_;
   AscendC::GlobalTensor<int64_t> draftIds_, outIds_, numAccepted_;
   AscendC::GlobalTensor<float> targetProbs_, draftProbs_, uniform_, exponential_;
   AscendC::GlobalTensor<uint8_t> isGreedy_;

@@ -15,9 +15,13 @@ constexpr uint64_t kUbBytes = 192 * 1024;  // unified buffer of one 910B vector 
 // their buffers below this.
 constexpr uint64_t kSelectUbBytes = 184 * 1024;
 
-inline uint64_t align32(uint64_t bytes) { return (bytes + 31) / 32 * 32; }
+inline uint64_t align32(uint64_t bytes) {
+  return (bytes + 31) / 32 * 32;
+}
 
-inline uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+inline uint32_t ceil_div(uint32_t a, uint32_t b) {
+  return (a + b - 1) / b;
+}
 
 // Workspace of the count-form reductions: one (value, index) pair per 256-byte repeat.
 inline uint32_t reduce_tmp_elems(uint32_t count, uint32_t elem_bytes) {
@@ -95,9 +99,9 @@ inline uint32_t head_pad(uint32_t head_dim, uint32_t elem_bytes) {
 inline uint64_t paged_attention_ub_bytes(const PagedAttentionTiling& t, uint32_t elem_bytes) {
   const uint64_t rows = uint64_t{t.q_tile} * t.head_tile;
   const uint64_t row = uint64_t{t.head_pad} * 4, keys = uint64_t{t.kv_tile} * t.head_pad;
-  uint64_t bytes = 2 * rows * row;                  // queries and output accumulators, float
-  bytes += 2 * 2 * align32(keys * elem_bytes);      // K and V chunks, double buffered
-  bytes += keys * 4;                                // products
+  uint64_t bytes = 2 * rows * row;              // queries and output accumulators, float
+  bytes += 2 * 2 * align32(keys * elem_bytes);  // K and V chunks, double buffered
+  bytes += keys * 4;                            // products
   if (elem_bytes != 4) bytes += align32(rows * t.head_pad * elem_bytes) + 2 * keys * 4;
   bytes += align32((uint64_t{t.kv_tile} + 1) * 4) + align32(2 * 8 * 4);  // scores, results
   return bytes + align32(uint64_t{t.reduce_tmp} * 4) + align32(t.sum_tmp);
@@ -114,9 +118,10 @@ inline PagedAttentionTiling paged_attention_tiling(uint32_t q_heads, uint32_t kv
                                                    bool causal, float scale, uint32_t elem_bytes,
                                                    uint64_t ub_bytes, uint32_t sum_tmp) {
   const uint32_t group = q_heads / kv_heads;
-  PagedAttentionTiling t{0,     q_heads, kv_heads, head_dim, head_pad(head_dim, elem_bytes),
-                         block_size, max_blocks, group, 0, 0, 0, causal ? 1u : 0u, 0, sum_tmp,
-                         scale};
+  PagedAttentionTiling t{
+      0,          q_heads,          kv_heads, head_dim, head_pad(head_dim, elem_bytes),
+      block_size, max_blocks,       group,    0,        0,
+      0,          causal ? 1u : 0u, 0,        sum_tmp,  scale};
   const uint32_t query_len = std::max(max_query_len, 1u);
   auto fits = [&](uint32_t q, uint32_t heads, uint32_t kv) {
     t.q_tile = q;

@@ -3,15 +3,15 @@
 For batch sizes 1, 16, 64 with dense and one-hot proposals (half the rows greedy), in the same
 run: the kernel, the PyTorch reference (the executable spec, a loop over rows), a batched PyTorch
 composition without Python loops, and `torch.compile` of that composition; and the bytes the op
-must read (every probability is validated, so all of target_probs, draft_probs and exponential)
+must read (every probability is checked, so all of target_probs, draft_probs and exponential)
 per second against a plain copy of the same number of bytes. Goal: >= 5x the reference at batch
 16 and >= 50% of copy bandwidth.
 
-Then, at batch 16, K 15, dense fp32, every row sampled: the kernel with and without `validate`
+Then, at batch 16, K 15, dense fp32, every row sampled: the kernel with and without `check`
 (without, each sequence reads only p[draft] and q[draft] up to the first rejection, then the
 residual's p, q and noise rows, or the bonus row) against reading 3 vocabulary rows per sequence
 (the max of a contiguous [3 * 16, V] float32 tensor), all in the same run. Goal: without
-validation <= 2x the 3-row read.
+checking <= 2x the 3-row read.
 
     python bench/bench_rejection_sample.py [--threads N] [--reads-only]   # from the repository root
 """
@@ -92,19 +92,19 @@ def reads() -> dict:
     bs = 16
     args = rejection_sample_inputs(bs=bs, k=K, v=V, dense=True, greedy_every=0, draft_noise=0.3)
     accepted = reference.rejection_sample(**args)[1]
-    for validate in (True, False):
-        got = torch.ops.dflash.rejection_sample(**args, validate=validate)
+    for check in (True, False):
+        got = torch.ops.dflash.rejection_sample(**args, check=check)
         assert torch.equal(got[1], accepted)
     three_rows = torch.rand(3 * bs, V)
-    validated_s = timeit(lambda: torch.ops.dflash.rejection_sample(**args))
-    lazy_s = timeit(lambda: torch.ops.dflash.rejection_sample(**args, validate=False))
+    checked_s = timeit(lambda: torch.ops.dflash.rejection_sample(**args))
+    lazy_s = timeit(lambda: torch.ops.dflash.rejection_sample(**args, check=False))
     rows_s = timeit(lambda: three_rows.amax())
     return {
         "batch": bs, "K": K, "V": V, "proposal": "dense, all sampled",
         "mean accepted": float(accepted.float().mean()),
-        "validate ms": validated_s * 1e3, "no-validate ms": lazy_s * 1e3,
-        "3-row read ms": rows_s * 1e3, "validate / 3 rows": validated_s / rows_s,
-        "no-validate / 3 rows": lazy_s / rows_s,
+        "check ms": checked_s * 1e3, "no-check ms": lazy_s * 1e3,
+        "3-row read ms": rows_s * 1e3, "check / 3 rows": checked_s / rows_s,
+        "no-check / 3 rows": lazy_s / rows_s,
     }
 
 
@@ -112,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--reads-only", action="store_true",
-                        help="only the validate / no-validate / 3-row comparison")
+                        help="only the check / no-check / 3-row comparison")
     cli = parser.parse_args()
     threads = cli.threads
     if threads:

@@ -81,7 +81,7 @@ TABLES = [
      "python bench/bench_rejection_sample.py --threads 1", ""),
     ("rejection_sample_reads", "`rejection_sample` without input checks",
      "python bench/bench_rejection_sample.py --reads-only",
-     "The engine's call (`validate=False`) against reading three vocabulary rows per sequence."),
+     "The engine's call (`check=False`) against reading three vocabulary rows per sequence."),
     ("panel_linear", "`panel_linear`", "python bench/bench_panel_linear.py",
      "All of SmolLM2-135M's weights per pass (538 MB in float32) for 1-128 rows: float32 column "
      "panels against `F.linear` (MKL), bf16 column panels against float32 panels, bf16 pair "

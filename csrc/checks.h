@@ -1,4 +1,4 @@
-// Input validation of the ops, shared by the CPU kernels (csrc/cpu) and the Ascend host code
+// Input checks of the ops, shared by the CPU kernels (csrc/cpu) and the Ascend host code
 // (csrc/npu/ascend_host.h): the rules, order and messages of dflash/ops/checks.py, so one bad-input
 // test suite covers every implementation. Value checks read host memory; the NPU host copies the
 // small index tensors to the CPU first.
@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <optional>
@@ -30,48 +29,34 @@ inline std::string shape_str(const at::Tensor& t) {
 // "torch.float32", as Python prints a dtype.
 inline std::string dtype_str(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kBFloat16: return "torch.bfloat16";
-    case at::kHalf: return "torch.float16";
-    case at::kLong: return "torch.int64";
-    case at::kInt: return "torch.int32";
-    case at::kBool: return "torch.bool";
-    case at::kDouble: return "torch.float64";
-    default: return std::string("torch.") + c10::toString(t);
+    case at::kFloat:
+      return "torch.float32";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kLong:
+      return "torch.int64";
+    case at::kInt:
+      return "torch.int32";
+    case at::kBool:
+      return "torch.bool";
+    case at::kDouble:
+      return "torch.float64";
+    default:
+      return std::string("torch.") + c10::toString(t);
   }
 }
 
-// Python's repr(float(x)): shortest round-trip digits, exponent form below 1e-4 or from 1e16.
-inline std::string py_float(double x) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
-  char buf[64];
-  const auto res = std::to_chars(buf, buf + sizeof buf, x, std::chars_format::scientific);
-  const std::string s(buf, res.ptr);  // "-d.ddde-05"
-  const size_t e = s.find('e');
-  const int exp10 = std::stoi(s.substr(e + 1));
-  const bool negative = s[0] == '-';
-  std::string digits;
-  for (size_t i = negative; i < e; ++i)
-    if (s[i] != '.') digits += s[i];
-  std::string out;
-  if (exp10 < -4 || exp10 >= 16) {
-    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
-    char tail[16];
-    std::snprintf(tail, sizeof tail, "e%c%02d", exp10 < 0 ? '-' : '+', std::abs(exp10));
-    out += tail;
-  } else if (exp10 < 0) {
-    out = "0." + std::string(-exp10 - 1, '0') + digits;
-  } else {
-    const size_t int_len = exp10 + 1;
-    out = digits.size() <= int_len
-              ? digits + std::string(int_len - digits.size(), '0') + ".0"
-              : digits.substr(0, int_len) + "." + digits.substr(int_len);
-  }
-  return (negative ? "-" : "") + out;
+// A float in messages: 9 significant digits (round-trips a float32), as checks.number formats it.
+inline std::string number(double x) {
+  if (std::isnan(x)) return "nan";  // printf would write "-nan" for some
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", x);
+  return buf;
 }
 
-// checks.tensor: `t` has one of `dtypes`, rank `dim`, the sizes `shape` lists for its leading
+// checks.check_tensor: `t` has one of `dtypes`, rank `dim`, the sizes `shape` lists for its leading
 // dims (-1 = any) and, when given, `device`.
 inline void check_tensor(const char* op, const std::string& name, const at::Tensor& t,
                          c10::ArrayRef<at::ScalarType> dtypes, int64_t dim,
@@ -89,8 +74,8 @@ inline void check_tensor(const char* op, const std::string& name, const at::Tens
     TORCH_CHECK_VALUE(shape[i] < 0 || t.size(i) == shape[i], op, ": ", name, " has shape ",
                       shape_str(t), ", expected size ", shape[i], " in dim ", i);
   }
-  TORCH_CHECK_VALUE(!device || t.device() == *device, op, ": ", name, " is on ",
-                    t.device().str(), ", expected ", device ? device->str() : "");
+  TORCH_CHECK_VALUE(!device || t.device() == *device, op, ": ", name, " is on ", t.device().str(),
+                    ", expected ", device ? device->str() : "");
 }
 
 namespace checks {
@@ -128,7 +113,7 @@ inline void rejection_sample_ids(const int64_t* ids, int64_t bs, int64_t k, int6
 inline void rejection_sample_uniform(const float* u, int64_t bs, int64_t k) {
   for (int64_t i = 0; i < bs * k; ++i)
     DFLASH_CHECK(u[i] >= 0 && u[i] < 1, "rejection_sample", "uniform[", i / k, ", ", i % k,
-                 "] = ", py_float(u[i]), " is outside [0, 1)");
+                 "] = ", number(u[i]), " is outside [0, 1)");
 }
 
 // ------------------------------------------------------------------------------- context_kv
@@ -179,12 +164,12 @@ inline void context_kv_meta(const at::Tensor& hidden, const std::optional<at::Te
   check_tensor(op, "positions", positions, {at::kLong}, 1, {n}, dev);
   check_tensor(op, "slot_mapping", slot_mapping, {at::kLong}, 1, {n}, dev);
   check_tensor(op, "cos_sin_cache", cos_sin_cache, {at::kFloat}, 2, {kAny, d}, dev);
-  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", py_float(eps));
+  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", number(eps));
 }
 
 // Host slots of n tokens: -1 (skip) or a slot of a cache of num_blocks x block_size.
-inline void slot_mapping_values(const char* op, const int64_t* slots, int64_t n,
-                                int64_t num_blocks, int64_t block_size) {
+inline void slot_mapping_values(const char* op, const int64_t* slots, int64_t n, int64_t num_blocks,
+                                int64_t block_size) {
   const int64_t num_slots = num_blocks * block_size;
   for (int64_t t = 0; t < n; ++t)
     DFLASH_CHECK(slots[t] >= -1 && slots[t] < num_slots, op, "slot_mapping[", t, "] = ", slots[t],
@@ -197,8 +182,9 @@ inline void context_kv_values(const int64_t* positions, const int64_t* slots, in
                               int64_t max_pos, int64_t num_blocks, int64_t block_size) {
   constexpr const char* op = "context_kv";
   for (int64_t t = 0; t < n; ++t)
-    DFLASH_CHECK(positions[t] >= 0 && positions[t] < max_pos, op, "positions[", t, "] = ",
-                 positions[t], " is out of range for a cos_sin_cache of ", max_pos, " positions");
+    DFLASH_CHECK(positions[t] >= 0 && positions[t] < max_pos, op, "positions[", t,
+                 "] = ", positions[t], " is out of range for a cos_sin_cache of ", max_pos,
+                 " positions");
   slot_mapping_values(op, slots, n, num_blocks, block_size);
 }
 
@@ -225,7 +211,7 @@ inline void paged_attention_meta(const at::Tensor& query, const at::Tensor& key,
   const int64_t b = block_table.size(0);
   check_tensor(op, "context_lens", context_lens, {at::kInt}, 1, {b}, dev);
   check_tensor(op, "cu_query_lens", cu_query_lens, {at::kInt}, 1, {b + 1}, dev);
-  DFLASH_CHECK(std::isfinite(scale), op, "scale must be finite, got ", py_float(scale));
+  DFLASH_CHECK(std::isfinite(scale), op, "scale must be finite, got ", number(scale));
 }
 
 // Host copies (contiguous) of the index tensors: `table` is [batch, max_blocks], `context_lens`
@@ -243,8 +229,8 @@ inline void paged_attention_values(int64_t tq, int64_t num_blocks, int64_t block
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t ctx = context_lens[b];
     DFLASH_CHECK(0 <= ctx && ctx <= max_blocks * block_size, op, "context_lens[", b, "] = ", ctx,
-                 " is out of range: the block table covers ", max_blocks, " blocks x ",
-                 block_size, " tokens");
+                 " is out of range: the block table covers ", max_blocks, " blocks x ", block_size,
+                 " tokens");
     const int64_t used = block_size > 0 ? (ctx + block_size - 1) / block_size : 0;
     for (int64_t j = 0; j < used; ++j) {
       const int32_t blk = table[b * max_blocks + j];
@@ -266,7 +252,7 @@ inline void rms_norm_meta(const char* op, const at::Tensor& x, const at::Tensor&
                           double eps) {
   rows_input(op, x);
   check_tensor(op, "weight", weight, kFloats, 1, {x.size(-1)}, x.device());
-  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", py_float(eps));
+  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", number(eps));
 }
 
 inline void add_rms_norm_meta(const at::Tensor& x, const at::Tensor& residual,
@@ -299,11 +285,11 @@ inline void panel_linear_meta(const at::Tensor& x, const at::Tensor& weight_pane
     check_tensor(op, "weight_panels", weight_panels, {x.scalar_type()}, 3, {kAny, k, 16},
                  x.device());
   }
-  if (bias)
-    check_tensor(op, "bias", *bias, kFloats, 1, {weight_panels.size(0) * 16}, x.device());
+  if (bias) check_tensor(op, "bias", *bias, kFloats, 1, {weight_panels.size(0) * 16}, x.device());
 }
 
-inline void qkv_rope_cache_meta(const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm_weight,
+inline void qkv_rope_cache_meta(const at::Tensor& qkv,
+                                const std::optional<at::Tensor>& q_norm_weight,
                                 const std::optional<at::Tensor>& k_norm_weight,
                                 const at::Tensor& cos_sin, const at::Tensor& key_cache,
                                 const at::Tensor& value_cache, const at::Tensor& slot_mapping,
@@ -324,7 +310,7 @@ inline void qkv_rope_cache_meta(const at::Tensor& qkv, const std::optional<at::T
   if (k_norm_weight) check_tensor(op, "k_norm_weight", *k_norm_weight, kFloats, 1, {d}, dev);
   check_tensor(op, "cos_sin", cos_sin, {at::kFloat}, 2, {t, d}, dev);
   check_tensor(op, "slot_mapping", slot_mapping, {at::kLong}, 1, {t}, dev);
-  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", py_float(eps));
+  DFLASH_CHECK(eps >= 0, op, "eps must be non-negative, got ", number(eps));
 }
 
 inline void rope_meta(const at::Tensor& x, const at::Tensor& cos_sin) {

@@ -11,14 +11,14 @@ TORCH_LIBRARY(dflash, m) {
       "context_kv(Tensor hidden, Tensor? fc_weight, Tensor hidden_norm_weight, Tensor kv_weight, "
       "Tensor? kv_bias, Tensor k_norm_weight, Tensor positions, Tensor cos_sin_cache, "
       "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, "
-      "bool validate=True) -> ()");
+      "bool check=True) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
-      "float scale, bool causal, bool validate=True) -> Tensor");
+      "float scale, bool causal, bool check=True) -> Tensor");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
-      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> "
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True) -> "
       "(Tensor, Tensor)");
   // docs/design.md section 3.4: the decoder layer's small ops, each one call instead of several ATen
   // calls (csrc/cpu/layer_ops.cpp; the PyTorch reference serves other devices).
@@ -29,10 +29,12 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "qkv_rope_cache(Tensor qkv, Tensor? q_norm_weight, Tensor? k_norm_weight, Tensor cos_sin, "
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads, "
-      "float eps, bool validate=True) -> (Tensor, Tensor, Tensor)");
+      "float eps, bool check=True) -> (Tensor, Tensor, Tensor)");
   m.def("panel_linear(Tensor x, Tensor weight_panels, Tensor? bias) -> Tensor");
 }
 
 // `import dflash._C` loads the schemas; the module itself has no Python attributes.
 static PyModuleDef dflash_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&dflash_c_module); }
+PyMODINIT_FUNC PyInit__C() {
+  return PyModule_Create(&dflash_c_module);
+}

@@ -50,7 +50,9 @@ void PadRoundTrip(GM_ADDR i, GM_ADDR o) {
   CopyOut(gm.out, buf.template Get<float>(), 9);
 }
 
-void dma_granularity_ok(GM_ADDR i, GM_ADDR o) { PadRoundTrip<TPosition::VECIN>(i, o); }
+void dma_granularity_ok(GM_ADDR i, GM_ADDR o) {
+  PadRoundTrip<TPosition::VECIN>(i, o);
+}
 
 // ---- alignment: UB operands start on 32-byte boundaries
 // --------------------------------------------
@@ -407,8 +409,12 @@ void PadSum(GM_ADDR i, GM_ADDR o, bool isPad) {  // out[0] = sum of 5 loaded + 3
   Sum(gm, f.Get<float>(), w.Get<float>(), 8);
 }
 
-void poison_pad_bad(GM_ADDR i, GM_ADDR o) { PadSum(i, o, false); }
-void poison_pad_ok(GM_ADDR i, GM_ADDR o) { PadSum(i, o, true); }
+void poison_pad_bad(GM_ADDR i, GM_ADDR o) {
+  PadSum(i, o, false);
+}
+void poison_pad_ok(GM_ADDR i, GM_ADDR o) {
+  PadSum(i, o, true);
+}
 
 // ---- overlap: operands overlap only as an identical in-place destination
 // ---------------------------
@@ -428,8 +434,12 @@ void OverlapAdd(GM_ADDR i, GM_ADDR o, uint32_t dst) {  // out[0:64] = in[0:64] +
   CopyOut(gm.out, x[dst], 64);
 }
 
-void overlap_bad(GM_ADDR i, GM_ADDR o) { OverlapAdd(i, o, 8); }
-void overlap_ok(GM_ADDR i, GM_ADDR o) { OverlapAdd(i, o, 0); }
+void overlap_bad(GM_ADDR i, GM_ADDR o) {
+  OverlapAdd(i, o, 8);
+}
+void overlap_ok(GM_ADDR i, GM_ADDR o) {
+  OverlapAdd(i, o, 0);
+}
 
 // ---- sync: pipes run asynchronously; flags and barriers order them
 // ---------------------------------
@@ -456,8 +466,12 @@ void MaxOfInput(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0] = max(in[0:64]) vi
   CopyOut(gm.out, r.Get<float>(), 1);
 }
 
-void sync_v_s_bad(GM_ADDR i, GM_ADDR o) { MaxOfInput(i, o, false); }
-void sync_v_s_ok(GM_ADDR i, GM_ADDR o) { MaxOfInput(i, o, true); }
+void sync_v_s_bad(GM_ADDR i, GM_ADDR o) {
+  MaxOfInput(i, o, false);
+}
+void sync_v_s_ok(GM_ADDR i, GM_ADDR o) {
+  MaxOfInput(i, o, true);
+}
 
 void ScaleShift(GM_ADDR i, GM_ADDR o, bool loadFlag, bool barrier,
                 bool storeFlag) {  // out = 2 in + 1
@@ -481,10 +495,18 @@ void ScaleShift(GM_ADDR i, GM_ADDR o, bool loadFlag, bool barrier,
   CopyOut(gm.out, x, 64);
 }
 
-void sync_mte2_v_bad(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, false, true, true); }
-void sync_v_v_bad(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, true, false, true); }
-void sync_v_mte3_bad(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, true, true, false); }
-void sync_ok(GM_ADDR i, GM_ADDR o) { ScaleShift(i, o, true, true, true); }
+void sync_mte2_v_bad(GM_ADDR i, GM_ADDR o) {
+  ScaleShift(i, o, false, true, true);
+}
+void sync_v_v_bad(GM_ADDR i, GM_ADDR o) {
+  ScaleShift(i, o, true, false, true);
+}
+void sync_v_mte3_bad(GM_ADDR i, GM_ADDR o) {
+  ScaleShift(i, o, true, true, false);
+}
+void sync_ok(GM_ADDR i, GM_ADDR o) {
+  ScaleShift(i, o, true, true, true);
+}
 
 // Reloading a buffer the vector unit may still be reading needs V_MTE2 first.
 void Reload(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0:64] = 2 in[0:64] + in[64:128]
@@ -512,8 +534,12 @@ void Reload(GM_ADDR i, GM_ADDR o, bool flag) {  // out[0:64] = 2 in[0:64] + in[6
   CopyOut(gm.out, y, 64);
 }
 
-void sync_war_bad(GM_ADDR i, GM_ADDR o) { Reload(i, o, false); }
-void sync_war_ok(GM_ADDR i, GM_ADDR o) { Reload(i, o, true); }
+void sync_war_bad(GM_ADDR i, GM_ADDR o) {
+  Reload(i, o, false);
+}
+void sync_war_ok(GM_ADDR i, GM_ADDR o) {
+  Reload(i, o, true);
+}
 
 // A queue's EnQue/DeQue and FreeTensor/AllocTensor carry the flags themselves.
 void sync_queue_ok(GM_ADDR i, GM_ADDR o) {  // out[0:128] = 2 in[0:128] + 1, two tiles
@@ -549,13 +575,19 @@ void sync_s_mte3_bad(GM_ADDR i, GM_ADDR o) {
   CopyOut(gm.out, f.Get<float>(), 1);
 }
 
-void event_deadlock_bad(GM_ADDR, GM_ADDR) { WaitFlag<HardEvent::V_S>(0); }
-void event_leftover_bad(GM_ADDR, GM_ADDR) { SetFlag<HardEvent::V_S>(0); }
+void event_deadlock_bad(GM_ADDR, GM_ADDR) {
+  WaitFlag<HardEvent::V_S>(0);
+}
+void event_leftover_bad(GM_ADDR, GM_ADDR) {
+  SetFlag<HardEvent::V_S>(0);
+}
 void event_ok(GM_ADDR, GM_ADDR) {
   SetFlag<HardEvent::V_S>(0);
   WaitFlag<HardEvent::V_S>(0);
 }
-void pipe_s_bad(GM_ADDR, GM_ADDR) { PipeBarrier<PIPE_S>(); }
+void pipe_s_bad(GM_ADDR, GM_ADDR) {
+  PipeBarrier<PIPE_S>();
+}
 
 // ---- gm-bounds: GM accesses stay inside the tensors passed; inputs are read-only
 // -------------------
@@ -663,9 +695,15 @@ void QueueThenHandFlag(GM_ADDR i, GM_ADDR o, int mode) {
   que.FreeTensor(t);
 }
 
-void event_queue_collision_bad(GM_ADDR i, GM_ADDR o) { QueueThenHandFlag(i, o, 0); }
-void event_queue_hang_bad(GM_ADDR i, GM_ADDR o) { QueueThenHandFlag(i, o, 1); }
-void event_queue_ok(GM_ADDR i, GM_ADDR o) { QueueThenHandFlag(i, o, 2); }
+void event_queue_collision_bad(GM_ADDR i, GM_ADDR o) {
+  QueueThenHandFlag(i, o, 0);
+}
+void event_queue_hang_bad(GM_ADDR i, GM_ADDR o) {
+  QueueThenHandFlag(i, o, 1);
+}
+void event_queue_ok(GM_ADDR i, GM_ADDR o) {
+  QueueThenHandFlag(i, o, 2);
+}
 
 // A queue's FreeTensor flag still held when the pipe ends is waited there; a kernel that took it
 // by hand leaves that wait unsatisfiable.
@@ -712,13 +750,19 @@ void SelectWithBudget(GM_ADDR i, GM_ADDR o, uint32_t bytes) {  // out[0:64] = in
   CopyOut(gm.out, x[64], 64);
 }
 
-void select_reserved_bad(GM_ADDR i, GM_ADDR o) { SelectWithBudget(i, o, 184 * 1024 + 32); }
-void select_reserved_ok(GM_ADDR i, GM_ADDR o) { SelectWithBudget(i, o, 184 * 1024); }
+void select_reserved_bad(GM_ADDR i, GM_ADDR o) {
+  SelectWithBudget(i, o, 184 * 1024 + 32);
+}
+void select_reserved_ok(GM_ADDR i, GM_ADDR o) {
+  SelectWithBudget(i, o, 184 * 1024);
+}
 
 // ---- dma-position: DataCopyPad on A2 moves GM <-> VECIN / VECOUT only
 // -----------------------------
 
-void dma_position_bad(GM_ADDR i, GM_ADDR o) { PadRoundTrip<TPosition::VECCALC>(i, o); }
+void dma_position_bad(GM_ADDR i, GM_ADDR o) {
+  PadRoundTrip<TPosition::VECCALC>(i, o);
+}
 
 // ---- reductions add in A2's tree order
 // ------------------------------------------------------------
@@ -749,8 +793,12 @@ void BlockWrites(GM_ADDR o, uint32_t slot) {  // out[8 slot : 8 slot + 8] = (idx
   DataCopy(out[8 * slot], x, 8);
 }
 
-void block_race_bad(GM_ADDR, GM_ADDR o) { BlockWrites(o, 0); }
-void block_race_ok(GM_ADDR, GM_ADDR o) { BlockWrites(o, GetBlockIdx()); }
+void block_race_bad(GM_ADDR, GM_ADDR o) {
+  BlockWrites(o, 0);
+}
+void block_race_ok(GM_ADDR, GM_ADDR o) {
+  BlockWrites(o, GetBlockIdx());
+}
 
 struct Entry {
   const char* name;
@@ -823,7 +871,7 @@ const Entry kSnippets[] = {
 
 }  // namespace
 
-namespace dflash_emu {
+namespace dflash::emu {
 
 using SnippetKernel = void (*)(uint8_t* input, uint8_t* output);
 
@@ -838,4 +886,4 @@ bool find_snippet(const std::string& name, uint32_t& blocks, SnippetKernel& kern
   return false;
 }
 
-}  // namespace dflash_emu
+}  // namespace dflash::emu

@@ -8,20 +8,28 @@
 
 namespace c10_npu {
 thread_local void* current_stream = nullptr;
-void* NPUStream::stream(const bool) const { return current_stream; }
-NPUStream getCurrentNPUStream(signed char) { return NPUStream(); }
+void* NPUStream::stream(const bool) const {
+  return current_stream;
+}
+NPUStream getCurrentNPUStream(signed char) {
+  return NPUStream();
+}
 }  // namespace c10_npu
 
 namespace at_npu::native {
 namespace {
 std::function<int()> handler;
 }
-OpCommand& OpCommand::Name(const std::string&) { return *this; }
+OpCommand& OpCommand::Name(const std::string&) {
+  return *this;
+}
 OpCommand& OpCommand::SetCustomHandler(std::function<int()> func) {
   handler = std::move(func);
   return *this;
 }
-void OpCommand::Run() { std::thread([] { handler(); }).join(); }  // the task queue's thread
+void OpCommand::Run() {
+  std::thread([] { handler(); }).join();
+}  // the task queue's thread
 }  // namespace at_npu::native
 
 int main() {

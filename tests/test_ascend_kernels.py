@@ -31,9 +31,9 @@ def test_schemas_match_torch_ops_dflash(emu):
 # rejection_sample
 # ---------------------------------------------------------------------------------------------
 
-def assert_same_tokens(emu, args, validate=True):
+def assert_same_tokens(emu, args, check=True):
     expected = reference.rejection_sample(**args)
-    got = emu.rejection_sample(**args, validate=validate)
+    got = emu.rejection_sample(**args, check=check)
     assert torch.equal(got[0], expected[0]), (got[0], expected[0])
     assert torch.equal(got[1], expected[1])
     return expected[1]
@@ -60,17 +60,17 @@ def test_rejection_sample_any_tiling_and_block_count(emu, cores, max_tile):
     for dense in (True, False):
         for seed in range(4):
             args = rejection_sample_inputs(bs=5, k=5, v=1000, dense=dense, seed=seed)
-            assert_same_tokens(emu, args, validate=seed % 2 == 0)  # False: no host value checks
+            assert_same_tokens(emu, args, check=seed % 2 == 0)  # False: no host value checks
 
 
-@pytest.mark.parametrize("dense, validated_copies", [(True, 5), (False, 4)])
-def test_rejection_sample_copies_to_the_host_only_to_validate(emu, dense, validated_copies):
+@pytest.mark.parametrize("dense, checked_copies", [(True, 5), (False, 4)])
+def test_rejection_sample_copies_to_the_host_only_to_check(emu, dense, checked_copies):
     # Validation reads the ids and coins and the verdicts of the probability and noise scans back
-    # to the host (each a wait on an NPU); validate=False launches with none.
+    # to the host (each a wait on an NPU); check=False launches with none.
     args = rejection_sample_inputs(bs=4, k=3, v=500, dense=dense, seed=1)
-    for validate, copies in ((True, validated_copies), (False, 0)):
+    for check, copies in ((True, checked_copies), (False, 0)):
         before = emu.host_copies()
-        assert_same_tokens(emu, args, validate=validate)
+        assert_same_tokens(emu, args, check=check)
         assert emu.host_copies() - before == copies
 
 
@@ -182,17 +182,17 @@ def test_context_kv_rejects_caches_without_contiguous_rows(emu):
         emu.context_kv(**args)
 
 
-def test_only_a_validated_context_kv_copies_positions_and_slots_to_the_host(emu):
-    # Both are checked on the host in a validated call; validate=False reads nothing back and
+def test_only_a_checked_context_kv_copies_positions_and_slots_to_the_host(emu):
+    # Both are checked on the host in a checked call; check=False reads nothing back and
     # writes the same caches.
     args = context_kv_inputs()
     before = emu.host_copies()
     check_context_kv(emu, args)
     assert emu.host_copies() - before == 2
     fresh = context_kv_inputs()   # the same inputs, caches still all NaN
-    unvalidated = {**args, "key_caches": fresh["key_caches"], "value_caches": fresh["value_caches"]}
-    emu.context_kv(**unvalidated, validate=False)
+    unchecked = {**args, "key_caches": fresh["key_caches"], "value_caches": fresh["value_caches"]}
+    emu.context_kv(**unchecked, check=False)
     assert emu.host_copies() - before == 2
-    for got, want in zip(unvalidated["key_caches"] + unvalidated["value_caches"],
+    for got, want in zip(unchecked["key_caches"] + unchecked["value_caches"],
                          args["key_caches"] + args["value_caches"]):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))

@@ -148,16 +148,16 @@ def test_no_query_rows(emu):
 
 
 @pytest.mark.parametrize("query_len", [16, "mixed"])
-def test_only_a_validated_call_copies_its_index_tensors_to_the_host(emu, query_len):
-    # A validated call reads cu_query_lens, context_lens and the block table back to check them;
-    # without validation the launch reads nothing: the kernel lists its own work items and the
+def test_only_a_checked_call_copies_its_index_tensors_to_the_host(emu, query_len):
+    # A checked call reads cu_query_lens, context_lens and the block table back to check them;
+    # without the checks the launch reads nothing: the kernel lists its own work items and the
     # tiling depends on shapes only, so both calls compute the same, bit for bit.
     args = matrix_case(64, 2, 16, query_len, True, torch.float32)
     before = emu.host_copies()
     check(emu, args)
     assert emu.host_copies() - before == 3
-    validated = emu.paged_attention(**args)
+    checked = emu.paged_attention(**args)
     before = emu.host_copies()
-    unvalidated = emu.paged_attention(**args, validate=False)
+    unchecked = emu.paged_attention(**args, check=False)
     assert emu.host_copies() == before
-    assert torch.equal(unvalidated, validated)
+    assert torch.equal(unchecked, checked)

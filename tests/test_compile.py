@@ -109,7 +109,7 @@ def test_uniform_steps_match_the_ragged_path_and_transformers(models, eager):
 
 def test_uniform_step_on_a_checked_plan_skips_the_ops_value_checks(models, monkeypatch):
     """The worker's step plan is checked once on the host (`AttentionMetadata.checked`): every op
-    of the uniform step then runs with validate=False (on an NPU each check is a device-to-host
+    of the uniform step then runs with check=False (on an NPU each check is a device-to-host
     copy, which a captured graph cannot hold)."""
     flags = []
 
@@ -117,7 +117,7 @@ def test_uniform_step_on_a_checked_plan_skips_the_ops_value_checks(models, monke
         def recorded(*args, **kwargs):
             bound = inspect.signature(op).bind(*args, **kwargs)
             bound.apply_defaults()
-            flags.append((name, bound.arguments["validate"]))
+            flags.append((name, bound.arguments["check"]))
             return op(*args, **kwargs)
         return recorded
 
@@ -126,7 +126,7 @@ def test_uniform_step_on_a_checked_plan_skips_the_ops_value_checks(models, monke
     _, _, drafts, _ = _decode(models)
     assert drafts and {name for name, _ in flags} == {"context_kv", "paged_attention",
                                                       "qkv_rope_cache"}
-    assert not any(validate for _, validate in flags)
+    assert not any(check for _, check in flags)
 
 
 @pytest.mark.parametrize("stacked", [False, "block_major"])
@@ -142,9 +142,9 @@ def test_context_kv_compiles_and_writes_the_caches(stacked):
 
 
 @pytest.mark.parametrize("dense", [True, False])
-@pytest.mark.parametrize("validate", [True, False])
-def test_rejection_sample_compiles(dense, validate):
+@pytest.mark.parametrize("check", [True, False])
+def test_rejection_sample_compiles(dense, check):
     args = rejection_sample_inputs(dense=dense)
     compiled = torch.compile(ops.rejection_sample, fullgraph=True, backend="aot_eager")
-    for got, want in zip(compiled(**args, validate=validate), ops.rejection_sample(**args)):
+    for got, want in zip(compiled(**args, check=check), ops.rejection_sample(**args)):
         assert torch.equal(got, want)

@@ -213,7 +213,7 @@ def _bad_inputs():
         ("rms_norm", "x has dtype torch.int64", {"x": r["x"].long()}),
         ("rms_norm", "weight has shape \\[95\\], expected size 96", {"weight": r["weight"][:-1]}),
         ("rms_norm", "x has shape \\[5, 0\\], its last dim is empty", {"x": r["x"][:, :0]}),
-        ("rms_norm", "eps must be non-negative, got -1.0", {"eps": -1.0}),
+        ("rms_norm", "eps must be non-negative, got -1", {"eps": -1.0}),
         ("add_rms_norm", "residual has dtype torch.float16", {"residual": a["residual"].half()}),
         ("add_rms_norm", "residual has shape \\[4, 96\\]", {"residual": a["residual"][:4]}),
         ("silu_and_mul", "its last dim \\(gate \\| up\\) must be even", {"x": s["x"][:, :-1]}),

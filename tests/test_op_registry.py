@@ -27,9 +27,9 @@ IMPLEMENTATIONS = {
 def test_schemas_match_spec():
     schemas = {op: str(getattr(torch.ops.dflash, op).default._schema) for op in OPS}
     assert schemas["context_kv"].endswith(
-        "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, bool validate=True) -> ()")
+        "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, bool check=True) -> ()")
     assert schemas["paged_attention"].endswith(
-        "float scale, bool causal, bool validate=True) -> Tensor")
+        "float scale, bool causal, bool check=True) -> Tensor")
     assert "Tensor? draft_probs" in schemas["rejection_sample"]
     assert schemas["rejection_sample"].endswith("-> (Tensor, Tensor)")
 
@@ -128,7 +128,7 @@ def _bad_rejection_sample():
         case("target_probs has shape", target_probs=r["target_probs"][:, :3]),
         case("draft_probs has shape", draft_probs=r["draft_probs"][..., :5]),
         case("is_greedy has dtype", is_greedy=r["is_greedy"].int()),
-        case("uniform\\[0, 1\\] = 1.0 is outside",
+        case("uniform\\[0, 1\\] = 1 is outside",
              uniform=r["uniform"].index_fill(1, torch.tensor([1]), 1.0)),
         case("exponential row 0 must be positive", exponential=r["exponential"] * 0),
     ]
@@ -150,7 +150,7 @@ def test_bad_input_raises_clear_error(op, impl):
         with pytest.raises(ValueError, match=f"^{op}: .*{pattern}"):
             fn(**args)
         after = args.get("key_caches", []) + args.get("value_caches", [])
-        for before, now in zip(caches, after):   # validation runs before any write
+        for before, now in zip(caches, after):   # the checks run before any write
             assert torch.equal(before.nan_to_num(7.0), now.nan_to_num(7.0))
 
 

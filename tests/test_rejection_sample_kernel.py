@@ -1,7 +1,7 @@
 """The C++ CPU kernel of dflash::rejection_sample against the reference (docs/design.md 3.3).
 
 Given the same noise the kernel must return exactly the reference's tokens (torch.equal), with
-full validation and with `validate=False` (which reads only what sampling needs), and for bad
+every check and with `check=False` (which reads only what sampling needs), and for bad
 input exactly the reference's error message.
 """
 
@@ -17,10 +17,10 @@ kernel = torch.ops.dflash.rejection_sample
 
 def assert_same(args):
     want = reference.rejection_sample(**args)
-    for validate in (True, False):
-        got = kernel(**args, validate=validate)
+    for check in (True, False):
+        got = kernel(**args, check=check)
         assert got[0].dtype == got[1].dtype == torch.int64
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (validate, got, want)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (check, got, want)
     return got
 
 
@@ -287,7 +287,7 @@ def _read_rows_case():
 
 
 def _bad_values_read_by_sampling():
-    """(description, change) for bad values in rows that sampling with validate=False reads."""
+    """(description, change) for bad values in rows that sampling with check=False reads."""
     a, accepted, b = _read_rows_case()
     at, x0 = accepted[b], int(a["draft_token_ids"][b, 0])
     spot = (int(a["draft_token_ids"][b, at]) + 1) % 3000   # not the draft token itself
@@ -303,20 +303,20 @@ def _bad_values_read_by_sampling():
 
 
 @pytest.mark.parametrize("case", range(7))
-def test_without_validate_bad_values_it_reads_give_the_same_message(case):
+def test_without_check_bad_values_it_reads_give_the_same_message(case):
     a, _, _ = _read_rows_case()
     _, name, index, value = _bad_values_read_by_sampling()[case]
     args = {**a, name: _set(a[name], [(index, value)])}
     with pytest.raises(ValueError) as want:
         reference.rejection_sample(**args)
     with pytest.raises(ValueError) as got:
-        kernel(**args, validate=False)
+        kernel(**args, check=False)
     assert str(got.value) == str(want.value)
 
 
-def test_without_validate_rows_sampling_does_not_need_are_not_read():
-    # NaN in every row the walk never reaches: the validated call rejects the input, the
-    # unvalidated one returns the tokens of the clean input.
+def test_without_check_rows_sampling_does_not_need_are_not_read():
+    # NaN in every row the walk never reaches: the checked call rejects the input, the
+    # unchecked one returns the tokens of the clean input.
     a, accepted, b = _read_rows_case()
     clean = reference.rejection_sample(**a)
     at = accepted[b]
@@ -326,7 +326,7 @@ def test_without_validate_rows_sampling_does_not_need_are_not_read():
             "exponential": _set(a["exponential"], [((0,), float("nan")), ((3,), -1.0)])}
     with pytest.raises(ValueError, match="NaN/Inf probabilities"):
         kernel(**args)
-    got = kernel(**args, validate=False)
+    got = kernel(**args, check=False)
     assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
 
 

@@ -87,7 +87,7 @@ def _params(i):
 def _decode(llm, emu, plan_checked=True):
     """Runs the prompts to completion; returns the outputs and the host copies each decode
     step made (the first step, which runs the prefill, is not counted)."""
-    if not plan_checked:   # the ops validate every call, as direct calls do
+    if not plan_checked:   # the ops check every call, as direct calls do
         llm.worker.num_kv_blocks = None
     engine = llm.engine
     ids = [engine.add_request(p, _params(i)) for i, p in enumerate(PROMPTS)]
@@ -110,7 +110,7 @@ def test_decode_steps_make_no_host_copies(models, emulated_npu):
     outputs, copies = _decode(llm, emulated_npu)
     assert len(copies) >= 5 and copies == [0] * len(copies)
 
-    # The same requests with every op validating: its copies, per decode step, per layer.
+    # The same requests with every op checking: its copies, per decode step, per layer.
     unchecked, copies_unchecked = _decode(llm, emulated_npu, plan_checked=False)
     assert unchecked == outputs   # same seeds, same tokens
     layers = llm.target.cfg.num_layers + llm.draft.cfg.num_layers

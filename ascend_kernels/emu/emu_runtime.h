@@ -2,7 +2,7 @@
 // tracker that checks pipe synchronization, global-memory (GM) bookkeeping and the launcher.
 //
 // Written for dflash from the public Ascend C API documentation; no CANN code is used. Every
-// violation of a hardware rule throws emu::Fault("ascend-emu [<rule>] ...") so tests can name the
+// violation of a hardware rule throws dflash::emu::Fault("ascend-emu [<rule>] ...") so tests can name the
 // rule that a kernel broke. Kernel code never includes this file directly: it includes
 // "kernel_operator.h", exactly as it does when built with CANN.
 #pragma once
@@ -23,7 +23,7 @@
 #include <tuple>
 #include <vector>
 
-namespace emu {
+namespace dflash::emu {
 
 constexpr uint32_t kUbBytes = 192 * 1024;      // unified buffer of one 910B (A2) vector core
 constexpr uint32_t kAlign = 32;                // DMA granularity and vector operand alignment
@@ -32,7 +32,7 @@ constexpr uint32_t kPoisonWord = 0x7FC17FC1u;  // NaN as float32 and as either 1
 // Select in tensor-scalar mode stores its scalar in the UB's reserved tail (the last 8 KiB on A2):
 // a kernel that uses it may plan buffers only below this offset.
 constexpr uint32_t kSelectReservedOffset = 184 * 1024;
-constexpr int kEventIds = 8;                   // flag IDs per (source, destination) pipe pair
+constexpr int kEventIds = 8;  // flag IDs per (source, destination) pipe pair
 
 struct Fault : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -46,7 +46,9 @@ template <typename... Parts>
   throw Fault(s.str());
 }
 
-inline uint32_t round_up(uint32_t n, uint32_t to) { return (n + to - 1) / to * to; }
+inline uint32_t round_up(uint32_t n, uint32_t to) {
+  return (n + to - 1) / to * to;
+}
 
 // Hardware pipes that touch the UB. The scalar unit (S) issues every instruction in program order;
 // vector (V) and the two DMA engines (MTE2: GM -> UB, MTE3: UB -> GM) run asynchronously.
@@ -334,7 +336,7 @@ inline Block*& current_block() {
 
 inline Block& block() {
   Block* b = current_block();
-  if (!b) fail("launch", "Ascend C API used outside emu::launch");
+  if (!b) fail("launch", "Ascend C API used outside dflash::emu::launch");
   return *b;
 }
 
@@ -384,4 +386,4 @@ inline void launch(uint32_t block_dim, std::vector<GmArg> gm, const std::functio
   }
 }
 
-}  // namespace emu
+}  // namespace dflash::emu

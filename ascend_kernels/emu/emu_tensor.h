@@ -44,48 +44,65 @@ struct EventPipes {
 
 constexpr EventPipes event_pipes(HardEvent e) {
   switch (e) {
-    case HardEvent::MTE2_V: return {emu::kMte2, emu::kV, "MTE2_V"};
-    case HardEvent::V_MTE2: return {emu::kV, emu::kMte2, "V_MTE2"};
-    case HardEvent::MTE3_V: return {emu::kMte3, emu::kV, "MTE3_V"};
-    case HardEvent::V_MTE3: return {emu::kV, emu::kMte3, "V_MTE3"};
-    case HardEvent::MTE2_MTE3: return {emu::kMte2, emu::kMte3, "MTE2_MTE3"};
-    case HardEvent::MTE3_MTE2: return {emu::kMte3, emu::kMte2, "MTE3_MTE2"};
-    case HardEvent::S_V: return {emu::kS, emu::kV, "S_V"};
-    case HardEvent::V_S: return {emu::kV, emu::kS, "V_S"};
-    case HardEvent::MTE2_S: return {emu::kMte2, emu::kS, "MTE2_S"};
-    case HardEvent::S_MTE2: return {emu::kS, emu::kMte2, "S_MTE2"};
-    case HardEvent::MTE3_S: return {emu::kMte3, emu::kS, "MTE3_S"};
-    case HardEvent::S_MTE3: return {emu::kS, emu::kMte3, "S_MTE3"};
+    case HardEvent::MTE2_V:
+      return {dflash::emu::kMte2, dflash::emu::kV, "MTE2_V"};
+    case HardEvent::V_MTE2:
+      return {dflash::emu::kV, dflash::emu::kMte2, "V_MTE2"};
+    case HardEvent::MTE3_V:
+      return {dflash::emu::kMte3, dflash::emu::kV, "MTE3_V"};
+    case HardEvent::V_MTE3:
+      return {dflash::emu::kV, dflash::emu::kMte3, "V_MTE3"};
+    case HardEvent::MTE2_MTE3:
+      return {dflash::emu::kMte2, dflash::emu::kMte3, "MTE2_MTE3"};
+    case HardEvent::MTE3_MTE2:
+      return {dflash::emu::kMte3, dflash::emu::kMte2, "MTE3_MTE2"};
+    case HardEvent::S_V:
+      return {dflash::emu::kS, dflash::emu::kV, "S_V"};
+    case HardEvent::V_S:
+      return {dflash::emu::kV, dflash::emu::kS, "V_S"};
+    case HardEvent::MTE2_S:
+      return {dflash::emu::kMte2, dflash::emu::kS, "MTE2_S"};
+    case HardEvent::S_MTE2:
+      return {dflash::emu::kS, dflash::emu::kMte2, "S_MTE2"};
+    case HardEvent::MTE3_S:
+      return {dflash::emu::kMte3, dflash::emu::kS, "MTE3_S"};
+    case HardEvent::S_MTE3:
+      return {dflash::emu::kS, dflash::emu::kMte3, "S_MTE3"};
   }
-  return {emu::kS, emu::kS, "?"};
+  return {dflash::emu::kS, dflash::emu::kS, "?"};
 }
 
 }  // namespace detail
 
 using TEventID = int8_t;
 
-inline int64_t GetBlockIdx() { return emu::block().idx(); }
-inline int64_t GetBlockNum() { return emu::block().num(); }
+inline int64_t GetBlockIdx() {
+  return dflash::emu::block().idx();
+}
+inline int64_t GetBlockNum() {
+  return dflash::emu::block().num();
+}
 
 template <HardEvent E>
 inline void SetFlag(int32_t id) {
   constexpr auto p = detail::event_pipes(E);
-  emu::block().set_flag(p.src, p.dst, id, p.name);
+  dflash::emu::block().set_flag(p.src, p.dst, id, p.name);
 }
 
 template <HardEvent E>
 inline void WaitFlag(int32_t id) {
   constexpr auto p = detail::event_pipes(E);
-  emu::block().wait_flag(p.src, p.dst, id, p.name);
+  dflash::emu::block().wait_flag(p.src, p.dst, id, p.name);
 }
 
 template <pipe_t P>
 inline void PipeBarrier() {
   static_assert(P == PIPE_V || P == PIPE_ALL || P == PIPE_MTE2 || P == PIPE_MTE3 || P == PIPE_S,
                 "pipe not modelled by the emulation");
-  if constexpr (P == PIPE_S) emu::fail("sync", "PipeBarrier<PIPE_S> raises a hardware error");
-  if constexpr (P == PIPE_V) emu::block().hazards().barrier_vector();
-  if constexpr (P == PIPE_ALL) emu::block().hazards().barrier_all();
+  if constexpr (P == PIPE_S)
+    dflash::emu::fail("sync", "PipeBarrier<PIPE_S> raises a hardware error");
+  if constexpr (P == PIPE_V) dflash::emu::block().hazards().barrier_vector();
+  if constexpr (P == PIPE_ALL) dflash::emu::block().hazards().barrier_all();
   // MTE2 and MTE3 each execute in order: a barrier on them orders nothing the emulation tracks.
 }
 
@@ -93,7 +110,7 @@ template <typename T>
 class GlobalTensor {
  public:
   void SetGlobalBuffer(__gm__ T* buffer, uint64_t size) {
-    emu::block().check_gm(buffer, size * sizeof(T), false, "SetGlobalBuffer");
+    dflash::emu::block().check_gm(buffer, size * sizeof(T), false, "SetGlobalBuffer");
     data_ = buffer;
     size_ = size;
   }
@@ -107,7 +124,8 @@ class GlobalTensor {
     t.data_ = data_ + offset;
     t.size_ = size_ ? (offset <= size_ ? size_ - offset : 0) : 0;
     if (size_ && offset > size_)
-      emu::fail("gm-bounds", "GlobalTensor offset ", offset, " past its ", size_, " elements");
+      dflash::emu::fail("gm-bounds", "GlobalTensor offset ", offset, " past its ", size_,
+                        " elements");
     return t;
   }
 
@@ -121,9 +139,9 @@ class GlobalTensor {
   T* data() const { return data_; }
   void check(uint64_t first, uint64_t count, bool write, const char* what) const {
     if (size_ && first + count > size_)
-      emu::fail("gm-bounds", what, " reaches element ", first + count, " of a GlobalTensor of ",
-                size_);
-    emu::block().check_gm(data_ + first, count * sizeof(T), write, what);
+      dflash::emu::fail("gm-bounds", what, " reaches element ", first + count,
+                        " of a GlobalTensor of ", size_);
+    dflash::emu::block().check_gm(data_ + first, count * sizeof(T), write, what);
   }
 
  private:
@@ -138,7 +156,8 @@ class LocalTensor {
 
   LocalTensor operator[](uint32_t offset) const {
     if (offset > size_)
-      emu::fail("ub-bounds", "LocalTensor offset ", offset, " past its ", size_, " elements");
+      dflash::emu::fail("ub-bounds", "LocalTensor offset ", offset, " past its ", size_,
+                        " elements");
     return LocalTensor(offset_ + offset * sizeof(T), size_ - offset, pos_);
   }
 
@@ -152,17 +171,17 @@ class LocalTensor {
   // Scalar access (pipe S): ordered against vector and DMA pipes only by explicit flags.
   T GetValue(uint32_t i) const {
     check_element(i, "LocalTensor::GetValue");
-    auto& h = emu::block().hazards();
-    h.issue(emu::kS);
-    h.read(emu::kS, offset_ + i * sizeof(T), sizeof(T), "LocalTensor::GetValue");
+    auto& h = dflash::emu::block().hazards();
+    h.issue(dflash::emu::kS);
+    h.read(dflash::emu::kS, offset_ + i * sizeof(T), sizeof(T), "LocalTensor::GetValue");
     return data()[i];
   }
 
   void SetValue(uint32_t i, T value) const {
     check_element(i, "LocalTensor::SetValue");
-    auto& h = emu::block().hazards();
-    h.issue(emu::kS);
-    h.write(emu::kS, offset_ + i * sizeof(T), sizeof(T), "LocalTensor::SetValue");
+    auto& h = dflash::emu::block().hazards();
+    h.issue(dflash::emu::kS);
+    h.write(dflash::emu::kS, offset_ + i * sizeof(T), sizeof(T), "LocalTensor::SetValue");
     data()[i] = value;
   }
 
@@ -171,11 +190,12 @@ class LocalTensor {
       : offset_(offset), size_(size), pos_(pos) {}
   uint32_t offset() const { return offset_; }
   TPosition position() const { return pos_; }
-  T* data() const { return reinterpret_cast<T*>(emu::block().ub(offset_)); }
+  T* data() const { return reinterpret_cast<T*>(dflash::emu::block().ub(offset_)); }
 
  private:
   void check_element(uint32_t i, const char* what) const {
-    if (i >= size_) emu::fail("ub-bounds", what, "(", i, ") on a tensor of ", size_, " elements");
+    if (i >= size_)
+      dflash::emu::fail("ub-bounds", what, "(", i, ") on a tensor of ", size_, " elements");
   }
 
   uint32_t offset_ = 0;
@@ -193,7 +213,7 @@ class TBuf {
   template <typename T>
   LocalTensor<T> Get(uint32_t count) const {
     if (count * sizeof(T) > bytes_)
-      emu::fail("ub-bounds", "TBuf::Get(", count, ") on a buffer of ", bytes_, " bytes");
+      dflash::emu::fail("ub-bounds", "TBuf::Get(", count, ") on a buffer of ", bytes_, " bytes");
     return LocalTensor<T>(offset_, count, Pos);
   }
 
@@ -216,18 +236,18 @@ class Queue {
  public:
   Queue(TPosition pos, int depth) : pos_(pos), depth_(depth) {
     if (pos == TPosition::VECIN) {
-      producer_ = emu::kMte2;
-      consumer_ = emu::kV;
+      producer_ = dflash::emu::kMte2;
+      consumer_ = dflash::emu::kV;
     } else if (pos == TPosition::VECOUT) {
-      producer_ = emu::kV;
-      consumer_ = emu::kMte3;
+      producer_ = dflash::emu::kV;
+      consumer_ = dflash::emu::kMte3;
     } else {
-      emu::fail("queue", "only VECIN and VECOUT queues are modelled");
+      dflash::emu::fail("queue", "only VECIN and VECOUT queues are modelled");
     }
   }
 
   ~Queue() {
-    emu::Block* blk = emu::current_block();
+    dflash::emu::Block* blk = dflash::emu::current_block();
     if (!blk) return;
     for (const Buf& b : bufs_)
       if (b.free_id >= 0) blk->defer_wait(consumer_, producer_, b.free_id);
@@ -239,11 +259,12 @@ class Queue {
   TPosition position() const { return pos_; }
 
   void init(uint32_t num, uint32_t bytes) {
-    if (!bufs_.empty()) emu::fail("queue", "InitBuffer called twice on one queue");
-    if (num == 0 || bytes == 0) emu::fail("queue", "InitBuffer needs num >= 1 and len >= 1");
+    if (!bufs_.empty()) dflash::emu::fail("queue", "InitBuffer called twice on one queue");
+    if (num == 0 || bytes == 0)
+      dflash::emu::fail("queue", "InitBuffer needs num >= 1 and len >= 1");
     bufs_.resize(num);
     for (Buf& b : bufs_) {
-      b.offset = emu::block().allocate(bytes, "InitBuffer(TQue)");
+      b.offset = dflash::emu::block().allocate(bytes, "InitBuffer(TQue)");
       b.bytes = bytes;
     }
   }
@@ -251,27 +272,30 @@ class Queue {
   uint32_t alloc() {
     for (Buf& b : bufs_) {
       if (b.state != kFree) continue;
-      auto& blk = emu::block();
+      auto& blk = dflash::emu::block();
       if (b.free_id >= 0) {
-        blk.wait_flag(consumer_, producer_, b.free_id, emu::event_name(consumer_, producer_),
+        blk.wait_flag(consumer_, producer_, b.free_id,
+                      dflash::emu::event_name(consumer_, producer_),
                       "AllocTensor (waits on its buffer's FreeTensor flag)");
-        blk.release_event(consumer_, producer_, b.free_id, emu::event_name(consumer_, producer_));
+        blk.release_event(consumer_, producer_, b.free_id,
+                          dflash::emu::event_name(consumer_, producer_));
         b.free_id = -1;
       }
       b.state = kAllocated;
       blk.poison(b.offset, b.bytes);
       return b.offset;
     }
-    emu::fail("queue-depth", "AllocTensor: all ", bufs_.size(),
-              " buffers of this queue are in use (missing FreeTensor?)");
+    dflash::emu::fail("queue-depth", "AllocTensor: all ", bufs_.size(),
+                      " buffers of this queue are in use (missing FreeTensor?)");
   }
 
   void enque(uint32_t offset) {
     Buf& b = find(offset, kAllocated, "EnQue");
     if (static_cast<int>(fifo_.size()) >= depth_)
-      emu::fail("queue-depth", "EnQue: the queue already holds its depth of ", depth_, " tensors");
-    auto& blk = emu::block();
-    const char* name = emu::event_name(producer_, consumer_);
+      dflash::emu::fail("queue-depth", "EnQue: the queue already holds its depth of ", depth_,
+                        " tensors");
+    auto& blk = dflash::emu::block();
+    const char* name = dflash::emu::event_name(producer_, consumer_);
     b.state = kQueued;
     b.enque_id = blk.alloc_event(producer_, consumer_, name, "a queue's EnQue");
     blk.set_flag(producer_, consumer_, b.enque_id, name);
@@ -279,11 +303,11 @@ class Queue {
   }
 
   uint32_t deque() {
-    if (fifo_.empty()) emu::fail("queue-depth", "DeQue on an empty queue");
+    if (fifo_.empty()) dflash::emu::fail("queue-depth", "DeQue on an empty queue");
     Buf& b = *fifo_.front();
     fifo_.pop_front();
-    auto& blk = emu::block();
-    const char* name = emu::event_name(producer_, consumer_);
+    auto& blk = dflash::emu::block();
+    const char* name = dflash::emu::event_name(producer_, consumer_);
     blk.wait_flag(producer_, consumer_, b.enque_id, name, "DeQue (waits on its EnQue flag)");
     blk.release_event(producer_, consumer_, b.enque_id, name);
     b.state = kDequeued;
@@ -294,10 +318,10 @@ class Queue {
     Buf* b = nullptr;
     for (Buf& c : bufs_)
       if (c.offset == offset && (c.state == kAllocated || c.state == kDequeued)) b = &c;
-    if (!b) emu::fail("queue", "FreeTensor of a tensor this queue does not hold");
+    if (!b) dflash::emu::fail("queue", "FreeTensor of a tensor this queue does not hold");
     int releasing = b->state == kDequeued ? consumer_ : producer_;
-    auto& blk = emu::block();
-    const char* name = emu::event_name(consumer_, producer_);
+    auto& blk = dflash::emu::block();
+    const char* name = dflash::emu::event_name(consumer_, producer_);
     b->state = kFree;
     b->free_id = blk.alloc_event(consumer_, producer_, name, "a queue's FreeTensor");
     blk.set_flag(consumer_, producer_, b->free_id, name, blk.hazards().snapshot(releasing));
@@ -320,12 +344,12 @@ class Queue {
   Buf& find(uint32_t offset, State state, const char* what) {
     for (Buf& b : bufs_)
       if (b.offset == offset && b.state == state) return b;
-    emu::fail("queue", what, " of a tensor that was not allocated from this queue");
+    dflash::emu::fail("queue", what, " of a tensor that was not allocated from this queue");
   }
 
   TPosition pos_;
   int depth_;
-  int producer_ = emu::kMte2, consumer_ = emu::kV;
+  int producer_ = dflash::emu::kMte2, consumer_ = dflash::emu::kV;
   std::vector<Buf> bufs_;
   std::deque<Buf*> fifo_;
 };
@@ -370,7 +394,7 @@ class TPipe {
  public:
   TPipe() = default;
   ~TPipe() {  // the pipe owns the block's UB allocations
-    if (emu::current_block()) emu::block().release_all();
+    if (dflash::emu::current_block()) dflash::emu::block().release_all();
   }
   TPipe(const TPipe&) = delete;
   TPipe& operator=(const TPipe&) = delete;
@@ -382,31 +406,32 @@ class TPipe {
 
   template <TPosition Pos>
   void InitBuffer(TBuf<Pos>& buf, uint32_t len) {
-    buf.init(emu::block().allocate(len, "InitBuffer(TBuf)"), len);
+    buf.init(dflash::emu::block().allocate(len, "InitBuffer(TBuf)"), len);
   }
 
   // Event IDs come from the pool the queues draw from (see detail::Queue).
   template <HardEvent E>
   TEventID AllocEventID() {
     constexpr auto p = detail::event_pipes(E);
-    return static_cast<TEventID>(emu::block().alloc_event(p.src, p.dst, p.name, "AllocEventID"));
+    return static_cast<TEventID>(
+        dflash::emu::block().alloc_event(p.src, p.dst, p.name, "AllocEventID"));
   }
 
   template <HardEvent E>
   void ReleaseEventID(TEventID id) {
     constexpr auto p = detail::event_pipes(E);
-    emu::block().release_event(p.src, p.dst, id, p.name);
+    dflash::emu::block().release_event(p.src, p.dst, id, p.name);
   }
 
   template <HardEvent E>
   TEventID FetchEventID() {
     constexpr auto p = detail::event_pipes(E);
-    return static_cast<TEventID>(emu::block().fetch_event(p.src, p.dst, p.name));
+    return static_cast<TEventID>(dflash::emu::block().fetch_event(p.src, p.dst, p.name));
   }
 
   TEventID FetchEventID(HardEvent e) {
     const auto p = detail::event_pipes(e);
-    return static_cast<TEventID>(emu::block().fetch_event(p.src, p.dst, p.name));
+    return static_cast<TEventID>(dflash::emu::block().fetch_event(p.src, p.dst, p.name));
   }
 };
 

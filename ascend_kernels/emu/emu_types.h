@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace emu {
+namespace dflash::emu {
 
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -27,7 +27,9 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_float(uint16_t h) {
+  return bits_float(static_cast<uint32_t>(h) << 16);
+}
 
 inline uint16_t float_to_half(float f) {
   uint32_t u = float_bits(f);
@@ -55,20 +57,21 @@ inline float half_to_float(uint16_t h) {
   return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-}  // namespace emu
+}  // namespace dflash::emu
 
 struct half {
   uint16_t bits;
   half() = default;
-  half(float f) : bits(emu::float_to_half(f)) {}  // NOLINT: implicit, as in device code
-  explicit operator float() const { return emu::half_to_float(bits); }
+  half(float f) : bits(dflash::emu::float_to_half(f)) {}  // NOLINT: implicit, as in device code
+  explicit operator float() const { return dflash::emu::half_to_float(bits); }
 };
 
 struct bfloat16_t {
   uint16_t bits;
   bfloat16_t() = default;
-  bfloat16_t(float f) : bits(emu::float_to_bf16(f)) {}  // NOLINT: implicit, as in device code
-  explicit operator float() const { return emu::bf16_to_float(bits); }
+  bfloat16_t(float f)
+      : bits(dflash::emu::float_to_bf16(f)) {}  // NOLINT: implicit, as in device code
+  explicit operator float() const { return dflash::emu::bf16_to_float(bits); }
 };
 
 static_assert(sizeof(half) == 2 && sizeof(bfloat16_t) == 2, "16-bit storage types");

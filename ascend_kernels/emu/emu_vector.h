@@ -56,22 +56,22 @@ struct identity {
 template <typename T>
 void arithmetic(const char* op) {
   if constexpr (std::is_same_v<T, bfloat16_t>)
-    emu::fail("bf16-arith", op,
-              " on bfloat16_t: the A2 vector unit has no bf16 arithmetic; Cast to ",
-              "float (RoundMode::CAST_NONE) first");
+    dflash::emu::fail("bf16-arith", op,
+                      " on bfloat16_t: the A2 vector unit has no bf16 arithmetic; Cast to ",
+                      "float (RoundMode::CAST_NONE) first");
 }
 
-// One vector instruction: collects its operands, validates them, then records the UB accesses.
+// One vector instruction: collects its operands, checks them, then records the UB accesses.
 class VecInstr {
  public:
   explicit VecInstr(const char* name) : name_(name) {}
 
   template <typename T>
-  VecInstr& src(const LocalTensor<T>& t, uint32_t bytes, uint32_t align = emu::kAlign) {
+  VecInstr& src(const LocalTensor<T>& t, uint32_t bytes, uint32_t align = dflash::emu::kAlign) {
     return add(t, bytes, align, false);
   }
   template <typename T>
-  VecInstr& dst(const LocalTensor<T>& t, uint32_t bytes, uint32_t align = emu::kAlign) {
+  VecInstr& dst(const LocalTensor<T>& t, uint32_t bytes, uint32_t align = dflash::emu::kAlign) {
     return add(t, bytes, align, true);
   }
 
@@ -84,17 +84,18 @@ class VecInstr {
         bool same =
             in_place_ok && !s.write && s.begin == d.begin && s.elem == d.elem && s.bytes == d.bytes;
         if (!same)
-          emu::fail("overlap", name_, ": operands [", s.begin, ", ", s.begin + s.bytes, ") and [",
-                    d.begin, ", ", d.begin + d.bytes,
-                    ") of the UB overlap (only an identical in-place ", "destination is allowed)");
+          dflash::emu::fail("overlap", name_, ": operands [", s.begin, ", ", s.begin + s.bytes,
+                            ") and [", d.begin, ", ", d.begin + d.bytes,
+                            ") of the UB overlap (only an identical in-place ",
+                            "destination is allowed)");
       }
     }
-    auto& h = emu::block().hazards();
-    h.issue(emu::kV);
+    auto& h = dflash::emu::block().hazards();
+    h.issue(dflash::emu::kV);
     for (const Operand& o : ops_)
-      if (!o.write) h.read(emu::kV, o.begin, o.bytes, name_);
+      if (!o.write) h.read(dflash::emu::kV, o.begin, o.bytes, name_);
     for (const Operand& o : ops_)
-      if (o.write) h.write(emu::kV, o.begin, o.bytes, name_);
+      if (o.write) h.write(dflash::emu::kV, o.begin, o.bytes, name_);
   }
 
  private:
@@ -143,15 +144,16 @@ void floating(const char* name) {
 // Workspace the reductions need: one (value, index) pair per 256-byte repeat, in 32-byte units.
 template <typename T>
 uint32_t reduce_tmp_bytes(uint32_t count) {
-  uint32_t repeats = (count * sizeof(T) + emu::kRepeatBytes - 1) / emu::kRepeatBytes;
-  return emu::round_up(repeats * 2 * sizeof(T), emu::kAlign);
+  uint32_t repeats =
+      (count * sizeof(T) + dflash::emu::kRepeatBytes - 1) / dflash::emu::kRepeatBytes;
+  return dflash::emu::round_up(repeats * 2 * sizeof(T), dflash::emu::kAlign);
 }
 
 template <typename T>
 void reduction(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& src,
                const LocalTensor<T>& tmp, uint32_t count, uint32_t dst_elems) {
   floating<T>(name);
-  if (count == 0) emu::fail("ub-bounds", name, " of zero elements");
+  if (count == 0) dflash::emu::fail("ub-bounds", name, " of zero elements");
   VecInstr(name)
       .src(src, count * sizeof(T))
       .dst(tmp, reduce_tmp_bytes<T>(count))
@@ -238,7 +240,7 @@ void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, RoundMode mode, 
   D* d = dst.data();
   if constexpr (std::is_same_v<S, float> && detail::is_16bit_float<D>) {
     if (mode != RoundMode::CAST_RINT && mode != RoundMode::CAST_NONE)
-      emu::fail("cast", "float -> 16-bit float: only CAST_RINT / CAST_NONE are modelled");
+      dflash::emu::fail("cast", "float -> 16-bit float: only CAST_RINT / CAST_NONE are modelled");
     for (uint32_t i = 0; i < count; ++i) d[i] = D(x[i]);
   } else if constexpr (detail::is_16bit_float<S> && std::is_same_v<D, float>) {
     for (uint32_t i = 0; i < count; ++i) d[i] = static_cast<float>(x[i]);
@@ -254,10 +256,10 @@ void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalT
              CMPMODE mode, uint32_t count) {
   static_assert(std::is_same_v<U, uint8_t>, "Compare writes a uint8_t bit mask");
   detail::floating<T>("Compare");
-  if (count * sizeof(T) % emu::kRepeatBytes)
-    emu::fail("compare-256", "Compare of ", count, " x ", sizeof(T),
-              " bytes: the length must be a multiple ",
-              "of 256 bytes (pad the operands and compare whole repeats)");
+  if (count * sizeof(T) % dflash::emu::kRepeatBytes)
+    dflash::emu::fail("compare-256", "Compare of ", count, " x ", sizeof(T),
+                      " bytes: the length must be a multiple ",
+                      "of 256 bytes (pad the operands and compare whole repeats)");
   const uint32_t bytes = count * sizeof(T);
   detail::VecInstr("Compare").src(src0, bytes).src(src1, bytes).dst(dst, count / 8).run();
   const T *a = src0.data(), *b = src1.data();
@@ -267,12 +269,24 @@ void Compare(const LocalTensor<U>& dst, const LocalTensor<T>& src0, const LocalT
     auto x = detail::load(a[i]), y = detail::load(b[i]);
     bool bit = false;
     switch (mode) {
-      case CMPMODE::LT: bit = x < y; break;
-      case CMPMODE::GT: bit = x > y; break;
-      case CMPMODE::EQ: bit = x == y; break;
-      case CMPMODE::LE: bit = x <= y; break;
-      case CMPMODE::GE: bit = x >= y; break;
-      case CMPMODE::NE: bit = x != y; break;
+      case CMPMODE::LT:
+        bit = x < y;
+        break;
+      case CMPMODE::GT:
+        bit = x > y;
+        break;
+      case CMPMODE::EQ:
+        bit = x == y;
+        break;
+      case CMPMODE::LE:
+        bit = x <= y;
+        break;
+      case CMPMODE::GE:
+        bit = x >= y;
+        break;
+      case CMPMODE::NE:
+        bit = x != y;
+        break;
     }
     if (bit) m[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
   }
@@ -285,14 +299,19 @@ void Select(const LocalTensor<T>& dst, const LocalTensor<U>& mask, const LocalTe
             const typename detail::identity<T>::type& src1, SELMODE mode, uint32_t count) {
   detail::floating<T>("Select");
   if (mode != SELMODE::VSEL_TENSOR_SCALAR_MODE)
-    emu::fail("select", "a scalar src1 needs VSEL_TENSOR_SCALAR_MODE");
+    dflash::emu::fail("select", "a scalar src1 needs VSEL_TENSOR_SCALAR_MODE");
   const uint32_t bytes = count * sizeof(T);
   detail::VecInstr("Select").src(mask, (count + 7) / 8).src(src0, bytes).dst(dst, bytes).run();
-  if (emu::block().used() > emu::kSelectReservedOffset)
-    emu::fail("select-reserved", "Select in tensor-scalar mode stores its scalar in the UB from "
-              "byte ", emu::kSelectReservedOffset, " (the reserved last 8 KiB), but this kernel's "
-              "buffers reach byte ", emu::block().used(),
-              ": the scalar would overwrite them; plan at most 184 KiB where Select is used");
+  if (dflash::emu::block().used() > dflash::emu::kSelectReservedOffset)
+    dflash::emu::fail(
+        "select-reserved",
+        "Select in tensor-scalar mode stores its scalar in the UB from "
+        "byte ",
+        dflash::emu::kSelectReservedOffset,
+        " (the reserved last 8 KiB), but this kernel's "
+        "buffers reach byte ",
+        dflash::emu::block().used(),
+        ": the scalar would overwrite them; plan at most 184 KiB where Select is used");
   const uint8_t* m = mask.template ReinterpretCast<uint8_t>().data();
   T *d = dst.data(), *a = src0.data();
   for (uint32_t i = 0; i < count; ++i) d[i] = (m[i / 8] >> (i % 8)) & 1 ? a[i] : src1;
@@ -306,7 +325,7 @@ namespace detail {
 // across repeats the emulation takes ReduceSum's order.
 template <typename T>
 compute_t<T> tree_sum(const T* x, uint32_t count) {
-  const uint32_t lanes = emu::kRepeatBytes / sizeof(T);
+  const uint32_t lanes = dflash::emu::kRepeatBytes / sizeof(T);
   compute_t<T> total = 0;
   for (uint32_t start = 0; start < count; start += lanes) {
     std::vector<compute_t<T>> v(lanes, compute_t<T>(0));
@@ -360,13 +379,15 @@ void Sum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor
          const SumParams& p) {
   detail::floating<T>("Sum");
   if (p.outter == 0 || p.n == 0 || p.n > p.inner)
-    emu::fail("sum", "Sum needs outter >= 1 and 1 <= n <= inner, got outter ", p.outter, ", n ",
-              p.n, ", inner ", p.inner);
-  if (p.inner * sizeof(T) % emu::kAlign)
-    emu::fail("sum", "Sum rows of inner = ", p.inner, " elements are not a multiple of 32 bytes");
-  const uint32_t dst_bytes = emu::round_up(p.outter * sizeof(T), emu::kAlign);
-  const uint32_t tmp_bytes = emu::round_up((p.n * sizeof(T) + emu::kAlign - 1) / emu::kAlign *
-                                               sizeof(T), emu::kAlign);
+    dflash::emu::fail("sum", "Sum needs outter >= 1 and 1 <= n <= inner, got outter ", p.outter,
+                      ", n ", p.n, ", inner ", p.inner);
+  if (p.inner * sizeof(T) % dflash::emu::kAlign)
+    dflash::emu::fail("sum", "Sum rows of inner = ", p.inner,
+                      " elements are not a multiple of 32 bytes");
+  const uint32_t dst_bytes = dflash::emu::round_up(p.outter * sizeof(T), dflash::emu::kAlign);
+  const uint32_t tmp_bytes = dflash::emu::round_up(
+      (p.n * sizeof(T) + dflash::emu::kAlign - 1) / dflash::emu::kAlign * sizeof(T),
+      dflash::emu::kAlign);
   detail::VecInstr("Sum")
       .src(src, p.outter * p.inner * sizeof(T))
       .dst(tmp, tmp_bytes)
@@ -377,7 +398,7 @@ void Sum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor
   for (uint32_t i = 0; i < p.outter; ++i)
     d[i] = detail::store<T>(detail::tree_sum(x + i * p.inner, p.n));
   for (uint32_t i = p.outter; i < dst_bytes / sizeof(T); ++i)
-    std::memcpy(&d[i], &emu::kPoisonWord, sizeof(T));
+    std::memcpy(&d[i], &dflash::emu::kPoisonWord, sizeof(T));
 }
 
 }  // namespace AscendC

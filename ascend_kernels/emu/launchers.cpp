@@ -1,7 +1,7 @@
 // Emulated host launchers (tests only): the Ascend C kernels of ascend_kernels/, compiled for x86
 // against the emulation, served as torch.ops.dflash_emu.* with the schemas of torch.ops.dflash.*.
-// They share validation, GEMMs and tiling with the NPU launchers (csrc/npu/ascend_host.h); only the
-// launch differs: emu::launch runs the blocks one after another in a shuffled order.
+// They share checks, GEMMs and tiling with the NPU launchers (csrc/npu/ascend_host.h); only the
+// launch differs: dflash::emu::launch runs the blocks one after another in a shuffled order.
 #include <torch/library.h>
 
 #include "emu_runtime.h"
@@ -13,7 +13,7 @@ void dflash_rejection_sample(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, u
 void dflash_context_kv_fp32(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
 void dflash_context_kv_fp16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
 void dflash_context_kv_bf16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
-#define DFLASH_PAGED_ATTENTION_KERNEL(NAME)                                                     \
+#define DFLASH_PAGED_ATTENTION_KERNEL(NAME)                                                 \
   void NAME(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, \
             uint8_t*, uint8_t*);
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32)
@@ -22,7 +22,7 @@ DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_bf16)
 #undef DFLASH_PAGED_ATTENTION_KERNEL
 }
 
-namespace dflash_emu {
+namespace dflash::emu {
 
 // Rule snippets of the emulation's unit tests (tests/ascend_emu_snippets.cpp): a kernel taking one
 // input and one output GM buffer, and the number of blocks to run it on.
@@ -41,7 +41,7 @@ struct Config {
 } config;
 
 // A GM buffer the kernel may touch: the whole extent of `t`'s elements, whatever its strides.
-emu::GmArg gm(const at::Tensor& t, bool writable, std::string name) {
+dflash::emu::GmArg gm(const at::Tensor& t, bool writable, std::string name) {
   int64_t last = 0;
   for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
   const size_t bytes = t.numel() ? (last + 1) * t.element_size() : 0;
@@ -55,20 +55,18 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_toke
                                                     const at::Tensor& target_probs,
                                                     const at::Tensor& is_greedy,
                                                     const at::Tensor& uniform,
-                                                    const at::Tensor& exponential,
-                                                    bool validate) {
+                                                    const at::Tensor& exponential, bool check) {
   auto l = dflash::ascend::prepare_rejection_sample(draft_token_ids, draft_probs, target_probs,
-                                                    is_greedy, uniform, exponential, validate,
-                                                    config.cores, config.ub_bytes,
-                                                    config.max_tile);
+                                                    is_greedy, uniform, exponential, check,
+                                                    config.cores, config.ub_bytes, config.max_tile);
   if (l.block_dim == 0) return {l.out_ids, l.num_accepted};
-  std::vector<emu::GmArg> args{
+  std::vector<dflash::emu::GmArg> args{
       gm(l.draft_ids, false, "draft_token_ids"), gm(l.target_probs, false, "target_probs"),
       gm(l.is_greedy, false, "is_greedy"),       gm(l.uniform, false, "uniform"),
       gm(l.exponential, false, "exponential"),   gm(l.out_ids, true, "output_token_ids"),
       gm(l.num_accepted, true, "num_accepted"),  gm(l.tiling_gm, false, "tiling")};
   if (l.draft_probs.defined()) args.push_back(gm(l.draft_probs, false, "draft_probs"));
-  emu::launch(l.block_dim, std::move(args), [&] {
+  dflash::emu::launch(l.block_dim, std::move(args), [&] {
     dflash_rejection_sample(gm_ptr(l.draft_ids), gm_ptr(l.draft_probs), gm_ptr(l.target_probs),
                             gm_ptr(l.is_greedy), gm_ptr(l.uniform), gm_ptr(l.exponential),
                             gm_ptr(l.out_ids), gm_ptr(l.num_accepted), gm_ptr(l.tiling_gm));
@@ -81,19 +79,19 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                 const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                 const at::Tensor& slot_mapping, at::TensorList key_caches,
-                at::TensorList value_caches, double eps, bool validate) {
-  auto l = dflash::ascend::prepare_context_kv(
-      hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight, positions,
-      cos_sin_cache, slot_mapping, key_caches, value_caches, eps, validate, config.cores,
-      config.ub_bytes);
+                at::TensorList value_caches, double eps, bool check) {
+  auto l = dflash::ascend::prepare_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight,
+                                              kv_bias, k_norm_weight, positions, cos_sin_cache,
+                                              slot_mapping, key_caches, value_caches, eps, check,
+                                              config.cores, config.ub_bytes);
   if (l.block_dim == 0) return;
-  std::vector<emu::GmArg> args{gm(l.kv, false, "kv"),
-                               gm(l.k_norm_weight, false, "k_norm_weight"),
-                               gm(l.positions, false, "positions"),
-                               gm(l.cos_sin, false, "cos_sin_cache"),
-                               gm(l.slots, false, "slot_mapping"),
-                               gm(l.cache_table, false, "cache_table"),
-                               gm(l.tiling_gm, false, "tiling")};
+  std::vector<dflash::emu::GmArg> args{gm(l.kv, false, "kv"),
+                                       gm(l.k_norm_weight, false, "k_norm_weight"),
+                                       gm(l.positions, false, "positions"),
+                                       gm(l.cos_sin, false, "cos_sin_cache"),
+                                       gm(l.slots, false, "slot_mapping"),
+                                       gm(l.cache_table, false, "cache_table"),
+                                       gm(l.tiling_gm, false, "tiling")};
   for (size_t i = 0; i < key_caches.size(); ++i) {
     args.push_back(gm(key_caches[i], true, "key_caches[" + std::to_string(i) + "]"));
     args.push_back(gm(value_caches[i], true, "value_caches[" + std::to_string(i) + "]"));
@@ -101,7 +99,7 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
   auto kernel = l.dtype_code == 0   ? dflash_context_kv_fp32
                 : l.dtype_code == 1 ? dflash_context_kv_fp16
                                     : dflash_context_kv_bf16;
-  emu::launch(l.block_dim, std::move(args), [&] {
+  dflash::emu::launch(l.block_dim, std::move(args), [&] {
     kernel(gm_ptr(l.kv), gm_ptr(l.k_norm_weight), gm_ptr(l.positions), gm_ptr(l.cos_sin),
            gm_ptr(l.slots), gm_ptr(l.cache_table), gm_ptr(l.tiling_gm));
   });
@@ -110,26 +108,25 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_table, const at::Tensor& context_lens,
-                           const at::Tensor& cu_query_lens, double scale, bool causal,
-                           bool validate) {
+                           const at::Tensor& cu_query_lens, double scale, bool causal, bool check) {
   auto l = dflash::ascend::prepare_paged_attention(query, key, value, key_cache, value_cache,
                                                    block_table, context_lens, cu_query_lens, scale,
-                                                   causal, validate, config.cores, config.ub_bytes);
+                                                   causal, check, config.cores, config.ub_bytes);
   if (l.block_dim == 0) return l.out;
-  std::vector<emu::GmArg> args{gm(l.query, false, "query"),
-                               gm(l.key, false, "key"),
-                               gm(l.value, false, "value"),
-                               gm(l.key_cache, false, "key_cache"),
-                               gm(l.value_cache, false, "value_cache"),
-                               gm(l.block_table, false, "block_table"),
-                               gm(l.context_lens, false, "context_lens"),
-                               gm(l.cu_query_lens, false, "cu_query_lens"),
-                               gm(l.out, true, "output"),
-                               gm(l.tiling_gm, false, "tiling")};
+  std::vector<dflash::emu::GmArg> args{gm(l.query, false, "query"),
+                                       gm(l.key, false, "key"),
+                                       gm(l.value, false, "value"),
+                                       gm(l.key_cache, false, "key_cache"),
+                                       gm(l.value_cache, false, "value_cache"),
+                                       gm(l.block_table, false, "block_table"),
+                                       gm(l.context_lens, false, "context_lens"),
+                                       gm(l.cu_query_lens, false, "cu_query_lens"),
+                                       gm(l.out, true, "output"),
+                                       gm(l.tiling_gm, false, "tiling")};
   auto kernel = l.dtype_code == 0   ? dflash_paged_attention_fp32
                 : l.dtype_code == 1 ? dflash_paged_attention_fp16
                                     : dflash_paged_attention_bf16;
-  emu::launch(l.block_dim, std::move(args), [&] {
+  dflash::emu::launch(l.block_dim, std::move(args), [&] {
     kernel(gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value), gm_ptr(l.key_cache),
            gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
            gm_ptr(l.cu_query_lens), gm_ptr(l.out), gm_ptr(l.tiling_gm));
@@ -144,22 +141,24 @@ std::vector<int64_t> paged_attention_plan(int64_t q_heads, int64_t kv_heads, int
                                           int64_t elem_bytes) {
   const auto d = static_cast<uint32_t>(head_dim);
   auto t = dflash::ascend::paged_attention_tiling(
-      q_heads, kv_heads, d, block_size, 1, max_query_len, false, 1.0f, elem_bytes,
-      config.ub_bytes, dflash::ascend::emulated_sum_workspace(d));
+      q_heads, kv_heads, d, block_size, 1, max_query_len, false, 1.0f, elem_bytes, config.ub_bytes,
+      dflash::ascend::emulated_sum_workspace(d));
   if (!t.q_tile) return {0, 0, 0};
   return {t.q_tile, t.head_tile, t.kv_tile};
 }
 
 // Device-to-host copies the shared host code (csrc/npu/ascend_host.h) has made so far.
-int64_t host_copies() { return dflash::ascend::host_copies().load(); }
+int64_t host_copies() {
+  return dflash::ascend::host_copies().load();
+}
 
 void configure(int64_t cores, int64_t max_tile, int64_t ub_bytes) {
   TORCH_CHECK_VALUE(cores >= 1 && max_tile >= 0 && ub_bytes >= 0,
                     "configure: cores >= 1, max_tile >= 0 and ub_bytes >= 0");
   config.cores = static_cast<uint32_t>(cores);
   config.max_tile = static_cast<uint32_t>(max_tile);
-  config.ub_bytes = ub_bytes ? std::min<uint64_t>(ub_bytes, dflash::ascend::kUbBytes)
-                             : dflash::ascend::kUbBytes;
+  config.ub_bytes =
+      ub_bytes ? std::min<uint64_t>(ub_bytes, dflash::ascend::kUbBytes) : dflash::ascend::kUbBytes;
 }
 
 // Runs a rule snippet; returns the order in which its blocks ran.
@@ -170,41 +169,41 @@ std::vector<int64_t> run_snippet(const std::string& name, const at::Tensor& inpu
   TORCH_CHECK_VALUE(find_snippet(name, blocks, kernel), "unknown snippet ", name);
   TORCH_CHECK_VALUE(input.is_contiguous() && output.is_contiguous(),
                     "snippet buffers must be contiguous");
-  emu::launch(blocks, {gm(input, false, "input"), gm(output, true, "output")},
-              [&] { kernel(gm_ptr(input), gm_ptr(output)); });
-  const auto& order = emu::last_order();
+  dflash::emu::launch(blocks, {gm(input, false, "input"), gm(output, true, "output")},
+                      [&] { kernel(gm_ptr(input), gm_ptr(output)); });
+  const auto& order = dflash::emu::last_order();
   return {order.begin(), order.end()};
 }
 
 }  // namespace
-}  // namespace dflash_emu
+}  // namespace dflash::emu
 
 TORCH_LIBRARY(dflash_emu, m) {
   m.def(
       "context_kv(Tensor hidden, Tensor? fc_weight, Tensor hidden_norm_weight, Tensor kv_weight, "
       "Tensor? kv_bias, Tensor k_norm_weight, Tensor positions, Tensor cos_sin_cache, "
       "Tensor slot_mapping, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, "
-      "bool validate=True) -> ()");
+      "bool check=True) -> ()");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
-      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool validate=True) -> "
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True) -> "
       "(Tensor, Tensor)");
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
-      "float scale, bool causal, bool validate=True) -> Tensor");
-  m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash_emu::configure);
-  m.def("host_copies() -> int", &dflash_emu::host_copies);
+      "float scale, bool causal, bool check=True) -> Tensor");
+  m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash::emu::configure);
+  m.def("host_copies() -> int", &dflash::emu::host_copies);
   m.def(
       "paged_attention_plan(int q_heads, int kv_heads, int head_dim, int block_size, "
       "int max_query_len, int elem_bytes) -> int[]",
-      &dflash_emu::paged_attention_plan);
+      &dflash::emu::paged_attention_plan);
   m.def("run_snippet(str name, Tensor input, Tensor(a!) output) -> int[]",
-        &dflash_emu::run_snippet);
+        &dflash::emu::run_snippet);
 }
 
 TORCH_LIBRARY_IMPL(dflash_emu, CPU, m) {
-  m.impl("context_kv", &dflash_emu::context_kv);
-  m.impl("rejection_sample", &dflash_emu::rejection_sample);
-  m.impl("paged_attention", &dflash_emu::paged_attention);
+  m.impl("context_kv", &dflash::emu::context_kv);
+  m.impl("rejection_sample", &dflash::emu::rejection_sample);
+  m.impl("paged_attention", &dflash::emu::paged_attention);
 }

@@ -18,11 +18,12 @@
 #include "checks.h"
 
 // The float dtypes the ops admit (checks::kFloats): float32, bfloat16, float16.
-#define DFLASH_DISPATCH_FLOATS(TYPE, NAME, ...)                               \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                     AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES(__VA_ARGS__))
+#define DFLASH_DISPATCH_FLOATS(TYPE, NAME, ...)                \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                               \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                         AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES(__VA_ARGS__))
 
-namespace dflash {
+namespace dflash::cpu {
 
 // Elements of work a thread must get before a pass goes parallel: waking pool threads costs tens
 // of microseconds (far more on a busy machine), so small calls run on the calling thread.
@@ -70,8 +71,8 @@ inline std::vector<float> float_values(const at::Tensor& t) {
 // 1 / sqrt(mean(x[0:n]^2) + eps), RMSNorm's float32 scale of one row.
 inline float inv_rms(const float* x, int64_t n, float eps) {
   using fVec = at::vec::Vectorized<float>;
-  const float sum_sq = at::vec::map_reduce_all<float>(
-      [](fVec v) { return v * v; }, [](fVec a, fVec b) { return a + b; }, x, n);
+  const float sum_sq = at::vec::map_reduce_all<float>([](fVec v) { return v * v; },
+                                                      [](fVec a, fVec b) { return a + b; }, x, n);
   return 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
 }
 
@@ -114,4 +115,4 @@ void for_each_row(int64_t n, int64_t width, int64_t scratch_floats, const F& f) 
   });
 }
 
-}  // namespace dflash
+}  // namespace dflash::cpu

@@ -16,8 +16,7 @@
 
 #include <cstring>
 
-
-namespace dflash::context_kv {
+namespace dflash::cpu::context_kv {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
@@ -50,8 +49,8 @@ at::Tensor hidden_norm(const at::Tensor& x, const at::Tensor& weight, double eps
     std::vector<float> row(h);
     for (int64_t first = begin; first < end; first += block) {
       const int64_t last = std::min(end, first + block);
-      const at::Tensor inv_rms = at::rsqrt(
-          x.slice(0, first, last).to(at::kFloat).pow(2).mean(-1, /*keepdim=*/true) + eps);
+      const at::Tensor inv_rms =
+          at::rsqrt(x.slice(0, first, last).to(at::kFloat).pow(2).mean(-1, /*keepdim=*/true) + eps);
       const float* rp = inv_rms.const_data_ptr<float>();
       for (int64_t t = first; t < last; ++t) {
         load_row(xp + t * h, row.data(), h);
@@ -65,9 +64,9 @@ at::Tensor hidden_norm(const at::Tensor& x, const at::Tensor& weight, double eps
 
 template <typename T>
 void epilogue(const at::Tensor& kv, const std::vector<float>& k_norm_weight, int64_t layers,
-              int64_t d, const at::Tensor& positions,
-              const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
-              at::TensorList key_caches, at::TensorList value_caches, double eps) {
+              int64_t d, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+              const at::Tensor& slot_mapping, at::TensorList key_caches,
+              at::TensorList value_caches, double eps) {
   const int64_t n = kv.size(0);
   const int64_t hkv = key_caches[0].size(2);
   const int64_t head_row = hkv * d;  // one layer's K (or V) of one token
@@ -119,12 +118,11 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                 const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                 const at::Tensor& slot_mapping, at::TensorList key_caches,
-                at::TensorList value_caches, double eps, bool /*validate*/) {
-  // The index checks below read host memory here: they always run (`validate` spares a
+                at::TensorList value_caches, double eps, bool /*check*/) {
+  // The index checks below read host memory here: they always run (`check` spares a
   // device-to-host copy only on devices).
-  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
-                          k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
-                          value_caches, eps);
+  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+                          positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
   const at::Tensor pos = positions.contiguous(), slots = slot_mapping.contiguous();
   checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
                             pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
@@ -148,6 +146,8 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
 }
 
 }  // namespace
-}  // namespace dflash::context_kv
+}  // namespace dflash::cpu::context_kv
 
-TORCH_LIBRARY_IMPL(dflash, CPU, m) { m.impl("context_kv", &dflash::context_kv::context_kv); }
+TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+  m.impl("context_kv", &dflash::cpu::context_kv::context_kv);
+}

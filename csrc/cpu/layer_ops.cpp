@@ -14,7 +14,7 @@
 #include "cpu/common.h"
 #include "cpu/paged_cache.h"
 
-namespace dflash::layer_ops {
+namespace dflash::cpu::layer_ops {
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
@@ -113,8 +113,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const float* gate = as_float(xp + r * width, scratch, half);
       const float* up = as_float(xp + r * width + half, scratch + half, half);
       float* o = result_buffer(op + r * half, scratch);
-      at::vec::map2([](fVec g, fVec u) { return g / (fVec(1.0f) + g.neg().exp()) * u; }, o,
-                    gate, up, half);
+      at::vec::map2([](fVec g, fVec u) { return g / (fVec(1.0f) + g.neg().exp()) * u; }, o, gate,
+                    up, half);
       store(o, op + r * half, half);
     });
   });
@@ -151,7 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_cache(
     const at::Tensor& qkv, const std::optional<at::Tensor>& q_norm_weight,
     const std::optional<at::Tensor>& k_norm_weight, const at::Tensor& cos_sin,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-    int64_t num_heads, double eps, bool /*validate*/) {
+    int64_t num_heads, double eps, bool /*check*/) {
   // The slots are read here anyway: they are always checked (as in context_kv).
   checks::qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
                               slot_mapping, num_heads, eps);
@@ -205,12 +205,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rope_cache(
 }
 
 }  // namespace
-}  // namespace dflash::layer_ops
+}  // namespace dflash::cpu::layer_ops
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("rms_norm", &dflash::layer_ops::rms_norm);
-  m.impl("add_rms_norm", &dflash::layer_ops::add_rms_norm);
-  m.impl("silu_and_mul", &dflash::layer_ops::silu_and_mul);
-  m.impl("rope", &dflash::layer_ops::rope);
-  m.impl("qkv_rope_cache", &dflash::layer_ops::qkv_rope_cache);
+  m.impl("rms_norm", &dflash::cpu::layer_ops::rms_norm);
+  m.impl("add_rms_norm", &dflash::cpu::layer_ops::add_rms_norm);
+  m.impl("silu_and_mul", &dflash::cpu::layer_ops::silu_and_mul);
+  m.impl("rope", &dflash::cpu::layer_ops::rope);
+  m.impl("qkv_rope_cache", &dflash::cpu::layer_ops::qkv_rope_cache);
 }

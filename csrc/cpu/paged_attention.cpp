@@ -16,7 +16,7 @@
 // Causal items stop at the last key their last row can see; only the tiles that cross the
 // diagonal are masked. Items are handed out dynamically, largest first, so ragged batches and
 // causal prefill tiles balance over the threads.
-#include "common.h"
+#include "cpu/common.h"
 
 #include <algorithm>
 #include <array>
@@ -33,7 +33,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/native/CPUBlas.h>
 
-namespace dflash::paged_attention {
+namespace dflash::cpu::paged_attention {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -70,7 +70,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kRescale = 8.f;  // see softmax_row
 constexpr int kAllLanes = (1 << kV) - 1;
 
-int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+int64_t round_up(int64_t x, int64_t to) {
+  return (x + to - 1) / to * to;
+}
 
 template <int N>
 using Int = std::integral_constant<int, N>;
@@ -147,7 +149,9 @@ void pv_block(const float* p, const float* v, int64_t ldv, int64_t keys, float* 
 
 // Rows per P.V block of W vectors: R * W accumulators, R broadcasts of P and one V vector must
 // fit the registers. (W = 8 with 3 rows fits too but measured at half the speed of W = 4.)
-constexpr int pv_rows(int w) { return std::min(8, (kRegisters - 1) / (w + 1)); }
+constexpr int pv_rows(int w) {
+  return std::min(8, (kRegisters - 1) / (w + 1));
+}
 
 // o[rows][ldo] += p[rows][keys] . v[keys][ldo]; ldo is a multiple of kV.
 void pv(const float* p, const float* v, int64_t keys, float* o, int64_t rows, int64_t ldo) {
@@ -156,8 +160,8 @@ void pv(const float* p, const float* v, int64_t keys, float* o, int64_t rows, in
     constexpr int W = decltype(width)::value;
     for (; col + W * kV <= ldo; col += W * kV) {
       for_row_blocks<pv_rows(W)>(rows, [&](auto r, int64_t row) {
-        pv_block<decltype(r)::value, W>(p + row * kKeyTile, v + col, ldo, keys,
-                                        o + row * ldo + col, ldo);
+        pv_block<decltype(r)::value, W>(p + row * kKeyTile, v + col, ldo, keys, o + row * ldo + col,
+                                        ldo);
       });
     }
   };
@@ -180,8 +184,8 @@ void softmax_row(float* s, int64_t visible, int64_t cols, float& ref, float* sum
   Vec vmax(kNegInf);
   for (int64_t k = 0; k < cols; k += kV) vmax = at::vec::maximum(vmax, Vec::loadu(s + k));
   if ((vmax > Vec(ref + kRescale)).zero_mask() != kAllLanes) {  // ref is -inf on the first tile
-    const float new_ref = at::vec::vec_reduce_all<float>(
-        [](Vec x, Vec y) { return at::vec::maximum(x, y); }, vmax);
+    const float new_ref =
+        at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, vmax);
     const Vec alpha(std::exp(ref - new_ref));
     for (int64_t c = 0; c < ldo; c += kV) (Vec::loadu(o + c) * alpha).store(o + c);
     (Vec::loadu(sum) * alpha).store(sum);
@@ -224,8 +228,14 @@ struct Scratch {
   // m: the most rows (query tokens x group) an item of the call has. A decode call gets buffers
   // of a few KB: zero-filling buffers for the largest possible item cost more than its attention.
   Scratch(int64_t m, int64_t d, int64_t dp, bool matrix)
-      : q(m * d), o(m * dp), s(m * (matrix ? kMatrixKeys : kKeyTile)), k(kKeyTile * dp),
-        kt(d * kKeyTile), v(kKeyTile * dp), row_ref(m), row_sum(m * kV) {
+      : q(m * d),
+        o(m * dp),
+        s(m * (matrix ? kMatrixKeys : kKeyTile)),
+        k(kKeyTile * dp),
+        kt(d * kKeyTile),
+        v(kKeyTile * dp),
+        row_ref(m),
+        row_sum(m * kV) {
     if (matrix) {
       q16.resize(m * d);
       p16.resize(2 * m * kMatrixKeys);
@@ -242,8 +252,11 @@ struct ItemView {
   int64_t start, n, ctx, rows, m;
   const int32_t* table;
   ItemView(const Args<T>& a, const Item& it)
-      : start(a.cu[it.seq]), n(a.cu[it.seq + 1] - a.cu[it.seq]), ctx(a.context_lens[it.seq]),
-        rows(it.row_end - it.row_begin), m((it.row_end - it.row_begin) * a.group),
+      : start(a.cu[it.seq]),
+        n(a.cu[it.seq + 1] - a.cu[it.seq]),
+        ctx(a.context_lens[it.seq]),
+        rows(it.row_end - it.row_begin),
+        m((it.row_end - it.row_begin) * a.group),
         table(a.block_table + it.seq * a.max_blocks) {}
   // Keys [0, total) are visible to at least one row; row i sees keys [0, visible(i)).
   int64_t total(const Args<T>& a, const Item& it) const {
@@ -260,8 +273,8 @@ void kv_rows(const Args<T>& a, const ItemView<T>& v, int64_t h, int64_t j0, int6
   for (int64_t t = 0; t < count; ++t) {
     const int64_t j = j0 + t;
     if (j < v.ctx) {
-      krows[t] = a.key_cache + v.table[blk] * a.kc_stride[0] + slot * a.kc_stride[1] +
-                 h * a.kc_stride[2];
+      krows[t] =
+          a.key_cache + v.table[blk] * a.kc_stride[0] + slot * a.kc_stride[1] + h * a.kc_stride[2];
       vrows[t] = a.value_cache + v.table[blk] * a.vc_stride[0] + slot * a.vc_stride[1] +
                  h * a.vc_stride[2];
       if (++slot == a.block_size) slot = 0, ++blk;
@@ -286,8 +299,8 @@ void store_rows(const Args<T>& a, const Item& it, const ItemView<T>& v, const Sc
   for (int64_t r = 0; r < v.m; ++r) {
     const int64_t token = v.start + it.row_begin + r / g;
     T* out = a.out + (token * a.hkv + it.head) * g * d + (r % g) * d;
-    const float inv = 1.f / at::vec::vec_reduce_all<float>(
-        [](Vec x, Vec y) { return x + y; }, Vec::loadu(w.row_sum.data() + r * kV));
+    const float inv = 1.f / at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; },
+                                                           Vec::loadu(w.row_sum.data() + r * kV));
     const float* o = w.o.data() + r * a.padded_dim;
     for (int64_t c = 0; c < d; ++c) out[c] = static_cast<T>(o[c] * inv);
   }
@@ -348,7 +361,6 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
   store_rows(a, it, v, w);
 }
 
-
 // hi = T(s), lo = T(s - hi) for n values (n a multiple of 2 * kV).
 template <typename T>
 void split_hi_lo(const float* s, T* hi, T* lo, int64_t n) {
@@ -368,9 +380,8 @@ inline bool isa_limit_allows_amx() {
   const char* limit = std::getenv("ONEDNN_MAX_CPU_ISA");
   if (limit == nullptr || *limit == '\0') return true;
   std::string isa(limit);
-  std::transform(isa.begin(), isa.end(), isa.begin(), [](unsigned char c) {
-    return static_cast<char>(std::toupper(c));
-  });
+  std::transform(isa.begin(), isa.end(), isa.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
   return isa == "ALL" || isa == "DEFAULT" || isa.find("AMX") != std::string::npos;
 }
 
@@ -380,7 +391,7 @@ bool matrix_engine_available() {
     return false;
   } else {
     static const bool ok = isa_limit_allows_amx() &&
-        at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
+                           at::native::cpublas::could_pack(c10::CppTypeToScalarType<T>::value);
     return ok;
   }
 }
@@ -449,8 +460,7 @@ void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
     for (int64_t r = 0; r < m; ++r) {
       float* srow = w.s.data() + r * kTile;
       for (int64_t c = 0; c < vcols; c += kV) (Vec::loadu(srow + c) * Vec(a.scale)).store(srow + c);
-      const int64_t visible =
-          a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
+      const int64_t visible = a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
       softmax_row(srow, visible, vcols, w.row_ref[r], w.row_sum.data() + r * kV,
                   w.o.data() + r * dp, dp);
       split_hi_lo(srow, p_hi + r * kTile, p_lo + r * kTile, round_up(keys, 2 * kV));
@@ -518,10 +528,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_table,
                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                               double scale, bool causal, bool /*validate*/) {
+                               double scale, bool causal, bool /*check*/) {
   // As in context_kv: the index checks cost no copy on the CPU, so they always run.
-  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
-                               context_lens, cu_query_lens, scale);
+  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
+                               cu_query_lens, scale);
   const auto table = block_table.contiguous();
   const auto ctx = context_lens.contiguous();
   const auto cu = cu_query_lens.contiguous();
@@ -563,16 +573,22 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
     run(a, table.size(0));
   };
   switch (query.scalar_type()) {  // paged_attention_meta admitted only these
-    case at::kFloat: launch(float{}); break;
-    case at::kBFloat16: launch(c10::BFloat16{}); break;
-    default: launch(c10::Half{}); break;
+    case at::kFloat:
+      launch(float{});
+      break;
+    case at::kBFloat16:
+      launch(c10::BFloat16{});
+      break;
+    default:
+      launch(c10::Half{});
+      break;
   }
   return out;
 }
 
 }  // namespace
-}  // namespace dflash::paged_attention
+}  // namespace dflash::cpu::paged_attention
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("paged_attention", &dflash::paged_attention::paged_attention_cpu);
+  m.impl("paged_attention", &dflash::cpu::paged_attention::paged_attention_cpu);
 }

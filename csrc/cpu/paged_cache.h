@@ -9,7 +9,7 @@
 
 #include "cpu/common.h"
 
-namespace dflash {
+namespace dflash::cpu {
 
 // Kernel-only limit of qkv_rope_cache: it stores rows as whole heads, so its caches need a
 // contiguous head_dim; every other stride is free (separate tensors, views of one stacked tensor,
@@ -25,9 +25,12 @@ struct CacheView {
   int64_t block_size, block_stride, slot_stride, head_stride, dim_stride;
 
   explicit CacheView(const at::Tensor& cache)
-      : data(cache.mutable_data_ptr<T>()), block_size(cache.size(1)),
-        block_stride(cache.stride(0)), slot_stride(cache.stride(1)),
-        head_stride(cache.stride(2)), dim_stride(cache.size(3) <= 1 ? 1 : cache.stride(3)) {}
+      : data(cache.mutable_data_ptr<T>()),
+        block_size(cache.size(1)),
+        block_stride(cache.stride(0)),
+        slot_stride(cache.stride(1)),
+        head_stride(cache.stride(2)),
+        dim_stride(cache.size(3) <= 1 ? 1 : cache.stride(3)) {}
   T* slot(int64_t slot) const {
     return data + slot / block_size * block_stride + slot % block_size * slot_stride;
   }
@@ -52,4 +55,4 @@ inline std::vector<uint8_t> tokens_to_store(const int64_t* slots, int64_t n) {
   return store;
 }
 
-}  // namespace dflash
+}  // namespace dflash::cpu

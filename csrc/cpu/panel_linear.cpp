@@ -24,7 +24,7 @@
 // of the same tokens bit for bit.
 #include "cpu/common.h"
 
-namespace dflash::panel_linear {
+namespace dflash::cpu::panel_linear {
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
@@ -142,8 +142,8 @@ void multiply_pair_rows(const float* x, int64_t k, const at::BFloat16* tile, flo
     for (int p = 0; p < NP; ++p)
       for (int j = 0; j < kVecs; ++j) {
         // fVec::size() pairs: 32-bit lanes holding (W[., i], W[., i + 1])
-        const auto* q = reinterpret_cast<const uint32_t*>(tile + (p * k + i) * kPanel) +
-                        j * fVec::size();
+        const auto* q =
+            reinterpret_cast<const uint32_t*>(tile + (p * k + i) * kPanel) + j * fVec::size();
         std::tie(lo[p * kVecs + j], hi[p * kVecs + j]) = split_pairs(q);
       }
     for (int m = 0; m < MR; ++m) {
@@ -163,15 +163,14 @@ void multiply_pair_rows(const float* x, int64_t k, const at::BFloat16* tile, flo
 // broadcast to all lanes.
 template <int NP, int MR>
 __attribute__((target("avx512bf16"))) void dot_pair_rows(const at::BFloat16* x, int64_t k,
-                                                           const at::BFloat16* tile, float* out,
-                                                           int64_t ldo) {
+                                                         const at::BFloat16* tile, float* out,
+                                                         int64_t ldo) {
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 2) {
     __m512bh w[NP];
-    for (int p = 0; p < NP; ++p)
-      w[p] = (__m512bh)_mm512_loadu_si512(tile + (p * k + i) * kPanel);
+    for (int p = 0; p < NP; ++p) w[p] = (__m512bh)_mm512_loadu_si512(tile + (p * k + i) * kPanel);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * k + i, sizeof(pair));
@@ -202,8 +201,7 @@ void multiply_block(const X* x, int64_t k, const T* tile, float* out, int64_t ld
 
 // multiply_rows for the last `rest` (< the block's) rows, the row count fixed at compile time.
 template <Path P, int NP, int MR, typename X, typename T>
-void multiply_rest(int64_t rest, const X* x, int64_t k, const T* tile, float* out,
-                   int64_t ldo) {
+void multiply_rest(int64_t rest, const X* x, int64_t k, const T* tile, float* out, int64_t ldo) {
   if constexpr (MR > 0) {
     if (rest == MR) {
       multiply_block<P, NP, MR>(x, k, tile, out, ldo);
@@ -215,11 +213,9 @@ void multiply_rest(int64_t rest, const X* x, int64_t k, const T* tile, float* ou
 
 // multiply_rows for all `rows` rows of x, MR at a time, then the remainder.
 template <Path P, int NP, int MR, typename X, typename T>
-void multiply_tile(const X* x, int64_t rows, int64_t k, const T* tile, float* out,
-                   int64_t ldo) {
+void multiply_tile(const X* x, int64_t rows, int64_t k, const T* tile, float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR)
-    multiply_block<P, NP, MR>(x + m * k, k, tile, out + m * ldo, ldo);
+  for (; m + MR <= rows; m += MR) multiply_block<P, NP, MR>(x + m * k, k, tile, out + m * ldo, ldo);
   multiply_rest<P, NP, MR - 1>(rows - m, x + m * k, k, tile, out + m * ldo, ldo);
 }
 
@@ -238,8 +234,8 @@ void multiply_partial_tile(int64_t np, const X* x, int64_t rows, int64_t k, cons
 
 // multiply_tile for np (<= NP) panels.
 template <Path P, int NP, int MR, typename X, typename T>
-void multiply_panels(int64_t np, const X* x, int64_t rows, int64_t k, const T* tile,
-                     float* out, int64_t ldo) {
+void multiply_panels(int64_t np, const X* x, int64_t rows, int64_t k, const T* tile, float* out,
+                     int64_t ldo) {
   if (np == NP) {
     multiply_tile<P, NP, MR>(x, rows, k, tile, out, ldo);
   } else {
@@ -297,7 +293,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight,
   shape.back() = panels * kPanel;
   at::Tensor out = at::empty(shape, xc.options());
   const std::vector<float> b = bias ? float_values(*bias) : std::vector<float>();
-  if (wc.dim() == 4) {   // pair panels: bfloat16 (checked)
+  if (wc.dim() == 4) {  // pair panels: bfloat16 (checked)
     const auto* xb = xc.const_data_ptr<at::BFloat16>();
     const auto* wp = wc.const_data_ptr<at::BFloat16>();
     auto* op = out.mutable_data_ptr<at::BFloat16>();
@@ -321,8 +317,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace
-}  // namespace dflash::panel_linear
+}  // namespace dflash::cpu::panel_linear
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("panel_linear", &dflash::panel_linear::panel_linear);
+  m.impl("panel_linear", &dflash::cpu::panel_linear::panel_linear);
 }

@@ -1,14 +1,14 @@
 // CPU kernel for dflash::rejection_sample (docs/design.md 3.3); dflash/ops/reference.py is the specification.
 //
 // The op is memory bound, and the sampling itself touches only a few rows per sequence.
-// With validate (the default, for direct calls) every probability is checked, in two parallel
+// With check (the default, for direct calls) every probability is checked, in two parallel
 // phases:
 //   1. one vectorized pass over every row of target_probs, draft_probs and exponential, recording
 //      which rows are invalid and, for greedy sequences, the argmax of each target row;
 //   2. once all input is known valid, per sequence: the acceptance walk, then one fused pass that
 //      computes the residual, its exponential race and whether it has any positive mass.
 // Errors are raised between the phases with the reference's messages, in the reference's order.
-// Without validate (a caller that built the probabilities itself, like the engine) each sequence
+// Without check (a caller that built the probabilities itself, like the engine) each sequence
 // reads only what sampling needs: p[draft] and q[draft] position by position until the first
 // rejection, then the residual's rows and its exponential row (or the bonus row), or for greedy
 // sequences the target rows up to the first mismatch; it checks exactly the values it reads and
@@ -21,7 +21,7 @@
 
 #include "cpu/common.h"
 
-namespace dflash::rejection_sample_cpu {
+namespace dflash::cpu::rejection_sample {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -111,8 +111,7 @@ struct Seen {
     if (i < n) put(Vec::set(Vec(x[0]), Vec::loadu(x + i, n - i), n - i));  // x[0]: neutral
   }
   bool finite() const {
-    return !std::isnan(
-        at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, nan_sum));
+    return !std::isnan(at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, nan_sum));
   }
   RowStatus probs() const { return !finite() ? kNonFinite : reduce_min(lo) < 0 ? kNegative : kOk; }
   bool noise_ok() const { return finite() && reduce_min(lo) > 0; }
@@ -198,7 +197,7 @@ struct Inputs {
   const float* e_row(int64_t b) const { return e + b * v; }
 };
 
-// A value a sequence read that fails validation, in the terms of the full check's messages.
+// A value a sequence read that fails checks, in the terms of the full check's messages.
 struct Failure {
   enum Kind : uint8_t { kNone, kTarget, kDraft, kNoise } kind = kNone;
   int64_t position = 0;
@@ -275,15 +274,17 @@ void write_row(const Inputs& in, int64_t b, const Outcome& o, int64_t* out, int6
   std::abort();
 }
 
-// validate: every probability and noise value is checked first (phase 1 above), as in the
+// check: every probability and noise value is checked first (phase 1 above), as in the
 // reference; else each sequence checks what it reads, and the first failure in the reference's
 // order (target rows, draft rows, noise rows; lowest sequence first) is reported.
-std::tuple<at::Tensor, at::Tensor> rejection_sample(
-    const at::Tensor& draft_token_ids_, const std::optional<at::Tensor>& draft_probs_,
-    const at::Tensor& target_probs_, const at::Tensor& is_greedy_, const at::Tensor& uniform_,
-    const at::Tensor& exponential_, bool validate) {
-  checks::rejection_sample_meta(draft_token_ids_, draft_probs_, target_probs_, is_greedy_,
-                                uniform_, exponential_);
+std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_token_ids_,
+                                                    const std::optional<at::Tensor>& draft_probs_,
+                                                    const at::Tensor& target_probs_,
+                                                    const at::Tensor& is_greedy_,
+                                                    const at::Tensor& uniform_,
+                                                    const at::Tensor& exponential_, bool check) {
+  checks::rejection_sample_meta(draft_token_ids_, draft_probs_, target_probs_, is_greedy_, uniform_,
+                                exponential_);
   const at::Tensor ids_t = draft_token_ids_.contiguous(), p_t = target_probs_.contiguous(),
                    greedy_t = is_greedy_.contiguous(), u_t = uniform_.contiguous(),
                    e_t = exponential_.contiguous();
@@ -304,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
 
   std::vector<int64_t> argmax(bs * (k + 1));  // greedy target rows' argmax, once computed
   std::vector<Failure> failures(bs);
-  if (validate) {
+  if (check) {
     // Phase 1 over rows [target rows | draft rows | exponential rows]
     const int64_t n_target = bs * (k + 1), n_draft = in.q ? bs * k : 0;
     std::vector<uint8_t> status(n_target + n_draft + bs);
@@ -345,13 +346,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
   int64_t* num_p = num_accepted.data_ptr<int64_t>();
   at::parallel_for(0, bs, 4, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      Failure* failure = validate ? nullptr : &failures[b];
+      Failure* failure = check ? nullptr : &failures[b];
       Outcome o;
       if (in.greedy[b]) {
         const int64_t* drafts = in.ids + b * k;
         int64_t* targets = argmax.data() + b * (k + 1);
         for (int64_t& a = o.accepted;; ++a) {
-          if (!validate) {  // the argmax of the rows up to the first mismatch only
+          if (!check) {  // the argmax of the rows up to the first mismatch only
             const RowScan s = scan_row<true>(in.p_row(b, a), v);
             targets[a] = s.argmax;
             if (prob_status(s) != kOk) {
@@ -381,8 +382,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
 }
 
 }  // namespace
-}  // namespace dflash::rejection_sample_cpu
+}  // namespace dflash::cpu::rejection_sample
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("rejection_sample", &dflash::rejection_sample_cpu::rejection_sample);
+  m.impl("rejection_sample", &dflash::cpu::rejection_sample::rejection_sample);
 }

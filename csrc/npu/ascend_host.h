@@ -1,5 +1,5 @@
 // Host side of dflash's Ascend C ops, shared by the NPU launchers in this folder and by the
-// emulated launchers the tests build (ascend_kernels/emu/launchers.cpp): input validation with the
+// emulated launchers the tests build (ascend_kernels/emu/launchers.cpp): input checks with the
 // messages of dflash/ops/checks.py, the GEMMs context_kv runs before its kernel, the tiling and the
 // kernel arguments. Everything here is device-agnostic ATen code; only the launch itself differs.
 #pragma once
@@ -61,11 +61,10 @@ inline void check_probs(const char* op, const char* name, const at::Tensor& prob
 }
 
 // The value checks (token ids, probabilities, noise): they read device tensors back to the host,
-// so only a call with validate = true makes them.
+// so only a call with check = true makes them.
 inline void check_rejection_sample_values(const at::Tensor& draft_token_ids,
                                           const std::optional<at::Tensor>& draft_probs,
-                                          const at::Tensor& target_probs,
-                                          const at::Tensor& uniform,
+                                          const at::Tensor& target_probs, const at::Tensor& uniform,
                                           const at::Tensor& exponential) {
   constexpr const char* op = "rejection_sample";
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1);
@@ -93,13 +92,12 @@ struct RejectionSampleLaunch {
 inline RejectionSampleLaunch prepare_rejection_sample(
     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
     const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
-    const at::Tensor& exponential, bool validate, uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    const at::Tensor& exponential, bool check, uint32_t cores, uint64_t ub_bytes = kUbBytes,
     uint32_t max_tile = 0) {
   checks::rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                 exponential);
-  if (validate)
-    check_rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
-                                  exponential);
+  if (check)
+    check_rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform, exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1), v = target_probs.size(2);
   RejectionSampleLaunch l;
   l.tiling = rejection_sample_tiling(bs, k, v, draft_probs.has_value(), ub_bytes, max_tile);
@@ -146,13 +144,12 @@ inline ContextKvLaunch prepare_context_kv(
     const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
     const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
     const at::Tensor& positions, const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
-    at::TensorList key_caches, at::TensorList value_caches, double eps, bool validate,
-    uint32_t cores, uint64_t ub_bytes = kUbBytes) {
+    at::TensorList key_caches, at::TensorList value_caches, double eps, bool check, uint32_t cores,
+    uint64_t ub_bytes = kUbBytes) {
   constexpr const char* op = "context_kv";
-  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
-                          k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
-                          value_caches, eps);
-  if (validate) {  // the index checks read positions and slots back to the host
+  checks::context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
+                          positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps);
+  if (check) {  // the index checks read positions and slots back to the host
     const at::Tensor pos = to_host(positions), slots = to_host(slot_mapping);
     checks::context_kv_values(pos.const_data_ptr<int64_t>(), slots.const_data_ptr<int64_t>(),
                               pos.numel(), cos_sin_cache.size(0), key_caches[0].size(0),
@@ -212,7 +209,7 @@ inline ContextKvLaunch prepare_context_kv(
 // ---------------------------------------------------------------------------------------------
 
 // The value checks of paged_attention (index ranges of cu_query_lens, context_lens and the block
-// table): they read the three tensors back to the host, so only a call with validate = true makes
+// table): they read the three tensors back to the host, so only a call with check = true makes
 // them.
 inline void check_paged_attention_values(const at::Tensor& query, const at::Tensor& key_cache,
                                          const at::Tensor& block_table,
@@ -235,21 +232,23 @@ struct PagedAttentionLaunch {
 
 // Bytes of Sum workspace the kernel reserves for rows of `head_dim` floats.
 using SumWorkspace = uint32_t (*)(uint32_t head_dim);
-inline uint32_t emulated_sum_workspace(uint32_t head_dim) { return sum_tmp_bytes(head_dim, 4); }
+inline uint32_t emulated_sum_workspace(uint32_t head_dim) {
+  return sum_tmp_bytes(head_dim, 4);
+}
 
-// Checks and tiles a call from shapes alone (plus the values when `validate`): the tiling plans
+// Checks and tiles a call from shapes alone (plus the values when `check`): the tiling plans
 // for the longest sequence there could be, all Tq rows, so it never depends on the lengths, and
 // the kernel enumerates its work items from cu_query_lens on the device.
 inline PagedAttentionLaunch prepare_paged_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale, bool causal,
-    bool validate, uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    bool check, uint32_t cores, uint64_t ub_bytes = kUbBytes,
     SumWorkspace sum_workspace = emulated_sum_workspace) {
   constexpr const char* op = "paged_attention";
-  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
-                               context_lens, cu_query_lens, scale);
-  if (validate)
+  checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
+                               cu_query_lens, scale);
+  if (check)
     check_paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens);
   PagedAttentionLaunch l{};
   if (query.numel() == 0) {  // no rows, heads or head_dim: nothing to launch

@@ -1,24 +1,24 @@
 // NPU launcher of context_kv: the GEMMs run as torch_npu (aclnn) ops in prepare_context_kv, then
 // the Ascend C epilogue kernel (ascend_kernels/context_kv.cpp) normalizes, rotates and scatters.
-#include "npu_common.h"
+#include "npu/npu_common.h"
 
 extern "C" void dflash_context_kv_launch(uint32_t block_dim, void* stream, int dtype, uint8_t* kv,
                                          uint8_t* k_norm_weight, uint8_t* positions,
                                          uint8_t* cos_sin, uint8_t* slot_mapping,
                                          uint8_t* cache_table, uint8_t* tiling);
 
-namespace {
+namespace dflash::npu {
 
 void context_kv_npu(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_weight,
                     const at::Tensor& hidden_norm_weight, const at::Tensor& kv_weight,
                     const std::optional<at::Tensor>& kv_bias, const at::Tensor& k_norm_weight,
                     const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                     const at::Tensor& slot_mapping, at::TensorList key_caches,
-                    at::TensorList value_caches, double eps, bool validate) {
+                    at::TensorList value_caches, double eps, bool check) {
   using namespace dflash::ascend;
   auto l = prepare_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                               k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
-                              value_caches, eps, validate, vector_cores(), ub_bytes());
+                              value_caches, eps, check, vector_cores(), ub_bytes());
   if (!l.block_dim) return;
   run_on_stream(
       "dflash::context_kv", [l](void* stream) {  // the caches are written through cache_table
@@ -28,6 +28,8 @@ void context_kv_npu(const at::Tensor& hidden, const std::optional<at::Tensor>& f
       });
 }
 
-}  // namespace
+}  // namespace dflash::npu
 
-TORCH_LIBRARY_IMPL(dflash, PrivateUse1, m) { m.impl("context_kv", &context_kv_npu); }
+TORCH_LIBRARY_IMPL(dflash, PrivateUse1, m) {
+  m.impl("context_kv", &dflash::npu::context_kv_npu);
+}

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "ascend_host.h"
+#include "npu/ascend_host.h"
 #include "tiling/platform/platform_ascendc.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 #include "torch_npu/csrc/framework/OpCommand.h"

@@ -1,5 +1,5 @@
 // NPU launcher of the paged_attention Ascend C kernel (ascend_kernels/paged_attention.cpp).
-#include "npu_common.h"
+#include "npu/npu_common.h"
 #include "tiling/tiling_api.h"
 
 extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, int dtype,
@@ -9,7 +9,7 @@ extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, 
                                               uint8_t* cu_query_lens, uint8_t* out,
                                               uint8_t* tiling);
 
-namespace {
+namespace dflash::npu {
 
 // The kernel's Sum workspace: the emulation's reading, or more if CANN's tiling API asks for it.
 uint32_t device_sum_workspace(uint32_t head_dim) {
@@ -22,23 +22,24 @@ at::Tensor paged_attention_npu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_table,
                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                               double scale, bool causal, bool validate) {
+                               double scale, bool causal, bool check) {
   using namespace dflash::ascend;
   auto l = prepare_paged_attention(query, key, value, key_cache, value_cache, block_table,
-                                   context_lens, cu_query_lens, scale, causal, validate,
+                                   context_lens, cu_query_lens, scale, causal, check,
                                    vector_cores(), ub_bytes(), device_sum_workspace);
   if (l.block_dim) {
     run_on_stream("dflash::paged_attention", [l](void* stream) {  // the copy keeps them alive
-      dflash_paged_attention_launch(l.block_dim, stream, l.dtype_code, gm_ptr(l.query),
-                                    gm_ptr(l.key), gm_ptr(l.value), gm_ptr(l.key_cache),
-                                    gm_ptr(l.value_cache), gm_ptr(l.block_table),
-                                    gm_ptr(l.context_lens), gm_ptr(l.cu_query_lens),
-                                    gm_ptr(l.out), gm_ptr(l.tiling_gm));
+      dflash_paged_attention_launch(
+          l.block_dim, stream, l.dtype_code, gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value),
+          gm_ptr(l.key_cache), gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
+          gm_ptr(l.cu_query_lens), gm_ptr(l.out), gm_ptr(l.tiling_gm));
     });
   }
   return l.out;
 }
 
-}  // namespace
+}  // namespace dflash::npu
 
-TORCH_LIBRARY_IMPL(dflash, PrivateUse1, m) { m.impl("paged_attention", &paged_attention_npu); }
+TORCH_LIBRARY_IMPL(dflash, PrivateUse1, m) {
+  m.impl("paged_attention", &dflash::npu::paged_attention_npu);
+}

@@ -1,5 +1,5 @@
 // NPU launcher of the rejection_sample Ascend C kernel (ascend_kernels/rejection_sample.cpp).
-#include "npu_common.h"
+#include "npu/npu_common.h"
 
 extern "C" void dflash_rejection_sample_launch(uint32_t block_dim, void* stream, uint8_t* draft_ids,
                                                uint8_t* draft_probs, uint8_t* target_probs,
@@ -7,15 +7,15 @@ extern "C" void dflash_rejection_sample_launch(uint32_t block_dim, void* stream,
                                                uint8_t* exponential, uint8_t* out_ids,
                                                uint8_t* num_accepted, uint8_t* tiling);
 
-namespace {
+namespace dflash::npu {
 
 std::tuple<at::Tensor, at::Tensor> rejection_sample_npu(
     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
     const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
-    const at::Tensor& exponential, bool validate) {
+    const at::Tensor& exponential, bool check) {
   using namespace dflash::ascend;
   auto l = prepare_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                                    exponential, validate, vector_cores(), ub_bytes());
+                                    exponential, check, vector_cores(), ub_bytes());
   if (l.block_dim) {
     run_on_stream(
         "dflash::rejection_sample", [l](void* stream) {  // the copy keeps the tensors alive
@@ -28,6 +28,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_npu(
   return {l.out_ids, l.num_accepted};
 }
 
-}  // namespace
+}  // namespace dflash::npu
 
-TORCH_LIBRARY_IMPL(dflash, PrivateUse1, m) { m.impl("rejection_sample", &rejection_sample_npu); }
+TORCH_LIBRARY_IMPL(dflash, PrivateUse1, m) {
+  m.impl("rejection_sample", &dflash::npu::rejection_sample_npu);
+}

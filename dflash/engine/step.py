@@ -79,5 +79,5 @@ def decode_step(target: TargetModel, draft: DFlashDraft, tokens: torch.Tensor,
     target_ids = sampling.first_argmax(target.logits(hidden)).view(bs, b)
     output_ids, num_accepted = sampling.greedy_accept(drafts, target_ids)
     draft.write_context(features, meta.positions, meta.slot_mapping, draft_cache,
-                        validate=not meta.checked)
+                        check=not meta.checked)
     return output_ids, num_accepted, drafts

@@ -108,7 +108,7 @@ class Worker:
         logits = self.target.logits(hidden[meta.cu_query_lens[1:].long() - 1])
         if self.draft is not None:
             self.draft.write_context(features, meta.positions, meta.slot_mapping,
-                                     self.draft_cache, validate=not meta.checked)
+                                     self.draft_cache, check=not meta.checked)
         for r, n in zip(requests, lengths):
             r.num_cached = n
         params = [r.params for r in requests]
@@ -208,7 +208,7 @@ class Worker:
             rows = torch.tensor(keep, device=self.device)
             self.draft.write_context(verified.features[rows], meta.positions[rows],
                                      meta.slot_mapping[rows], self.draft_cache,
-                                     validate=not meta.checked)
+                                     check=not meta.checked)
 
     @torch.inference_mode()
     def _flush_context(self, requests: list[Request]) -> None:
@@ -218,7 +218,7 @@ class Worker:
             return
         features, positions, slots = (torch.stack(column) for column in zip(*rows))
         # rows of checked step plans (write_draft_context kept them)
-        self.draft.write_context(features, positions, slots, self.draft_cache, validate=False)
+        self.draft.write_context(features, positions, slots, self.draft_cache, check=False)
         for r in requests:
             r.context_backlog.clear()
 

@@ -115,16 +115,16 @@ class DFlashDraft(nn.Module):
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,
                       slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
-                      validate: bool = True) -> None:
+                      check: bool = True) -> None:
         """Append committed tokens' context K/V (features [N, n_aux * H_t]) to the draft cache.
-        validate=False: positions and slots come from a checked plan (`AttentionMetadata`)."""
+        check=False: positions and slots come from a checked plan (`AttentionMetadata`)."""
         fc = self.fc
         if self.packed_fc is not None:
             features, fc = linear(features, self.packed_fc), None
         ops.context_kv(features, fc, self.hidden_norm, self.kv_weight, self.kv_bias,
                        self.k_norm, positions, self.cos_sin, slot_mapping,
                        list(kv_cache[:, 0]), list(kv_cache[:, 1]), self.cfg.attn.rms_norm_eps,
-                       validate)
+                       check)
 
     def forward(self, block_embeds: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,7 +141,7 @@ class DFlashDraft(nn.Module):
                 return ops.paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1],
                                            meta.block_table, meta.context_lens,
                                            meta.cu_query_lens, scale, causal=False,
-                                           validate=not meta.checked)
+                                           check=not meta.checked)
             kv_weight, kv_bias = self.layer_kv(i)
             if self.packed_kv:
                 kv_weight = self.packed_kv[i]

@@ -90,8 +90,8 @@ def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> Att
 
 
 # Above this many rows (long prefills) MKL's blocked GEMM beats panel_linear's weight streaming,
-# even counting the copy back to [N, K] (measured ad hoc on SmolLM2's gate_up and down shapes:
-# 2048 rows 0.88x the time, 512 rows 1.04x).
+# even counting the copy back to [N, K] (the crossover on SmolLM2's gate_up and down shapes lies
+# between 512 and 2048 rows).
 PANEL_MAX_ROWS = 1024
 
 
@@ -121,13 +121,13 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tenso
     On CPU, torch's GEMMs are slow for small row counts (1-16 rows per sequence). Float32
     weights, and bfloat16 ones as `host.bf16_gemm` says, go to:
     * column panels for `ops.panel_linear` (float32, and bfloat16 on CPUs without bf16 units),
-      which streams the weight once per call (float32: ~0.85x MKL's time at 1 row, ~0.7x at 16;
-      bf16 weights widened as they load: ~0.65x float32's time at 1-4 rows);
+      which streams the weight once per call (bf16 weights widened as they load);
     * pair panels for `ops.panel_linear` (bfloat16 with AVX512-BF16, no AMX; K even): the
-      bf16 dot-product instruction, 0.8-0.95x oneDNN's time from 1 to 64 rows;
+      bf16 dot-product instruction;
     * oneDNN's blocked layout (bfloat16 with AMX; `rows_hint` only tunes the layout).
     Both panel layouts compute each row alone, so a row's result does not depend on the rows
-    beside it; oneDNN's may (bench_panel_linear.py).
+    beside it; oneDNN's may. Their times against MKL / oneDNN: docs/performance.md
+    (bench/bench_panel_linear.py).
     """
     if weight.device.type != "cpu" or weight.is_mkldnn or weight.dim() != 2:
         return weight

@@ -59,10 +59,10 @@ class Attention(nn.Module):
         # cache (attention takes them directly as well, so the order does not matter)
         q, k, v = ops.qkv_rope_cache(linear(x, self.qkv, self.qkv_bias), self.q_norm, self.k_norm,
                                      cos_sin, key_cache, value_cache, meta.slot_mapping,
-                                     self.num_heads, self.eps, validate=not meta.checked)
+                                     self.num_heads, self.eps, check=not meta.checked)
         out = ops.paged_attention(q, k, v, key_cache, value_cache, meta.block_table,
                                   meta.context_lens, meta.cu_query_lens, self.head_dim**-0.5,
-                                  causal=True, validate=not meta.checked)
+                                  causal=True, check=not meta.checked)
         out = linear(out.view(x.shape[0], -1), self.o, self.o_bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -1,7 +1,7 @@
 """Thin Python wrappers over `torch.ops.dflash.*` (docs/design.md section 3): the three ops and the
 decoder layer's small ops (CPU kernels; the PyTorch reference on other devices).
 
-Each op validates its inputs itself (shape, dtype, device, index ranges, probability values) and
+Each op checks its inputs itself (shape, dtype, device, index ranges, probability values) and
 raises ValueError naming the problem, whichever implementation serves it; these wrappers add the
 documentation and Python defaults. Which implementation serves CPU calls is reported by
 `dflash.ops.implementation(name)`: a compiled kernel, or the PyTorch reference as a fallback.
@@ -29,7 +29,7 @@ def context_kv(hidden: torch.Tensor, fc_weight: torch.Tensor | None,
                kv_bias: torch.Tensor | None, k_norm_weight: torch.Tensor,
                positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor,
                key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
-               eps: float = 1e-6, validate: bool = True) -> None:
+               eps: float = 1e-6, check: bool = True) -> None:
     """Materialize the draft's context K/V for N committed tokens into every layer's paged cache.
 
     c = rms_norm(hidden @ fc_weight.T, hidden_norm_weight); kv = c @ kv_weight.T (+ kv_bias);
@@ -47,7 +47,7 @@ def context_kv(hidden: torch.Tensor, fc_weight: torch.Tensor | None,
         cos_sin_cache: [max_pos, D] float32, rows [cos(D/2) | sin(D/2)].
         slot_mapping: [N] int64, slot = block * block_size + offset, or -1.
         key_caches, value_caches: L tensors [num_blocks, block_size, Hkv, D], written in place.
-        validate: True checks that every position indexes cos_sin_cache and every slot a cache
+        check: True checks that every position indexes cos_sin_cache and every slot a cache
             block (a bad one raises a ValueError naming it). On an NPU that reads positions and
             slot_mapping back to the host; False, for a caller whose step plan already checked
             them (`AttentionMetadata.checked`, the engine), skips that copy. The CPU kernels
@@ -55,14 +55,14 @@ def context_kv(hidden: torch.Tensor, fc_weight: torch.Tensor | None,
     """
     torch.ops.dflash.context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                                 k_norm_weight, positions, cos_sin_cache, slot_mapping,
-                                list(key_caches), list(value_caches), eps, validate)
+                                list(key_caches), list(value_caches), eps, check)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_query_lens: torch.Tensor, scale: float, causal: bool,
-                    validate: bool = True) -> torch.Tensor:
+                    check: bool = True) -> torch.Tensor:
     """Attention of every sequence's new tokens over its paged context plus its new tokens.
 
     Args:
@@ -75,8 +75,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scale: softmax scale (usually D ** -0.5).
         causal: False: every new token sees all keys of its sequence (DFlash draft block);
             True: new token i sees the context and new tokens 0..i (prefill, decode, verify).
-        validate: True checks cu_query_lens, context_lens and every block the sequences read
-            (as context_kv's `validate`: on an NPU a device-to-host copy, skipped with False for
+        check: True checks cu_query_lens, context_lens and every block the sequences read
+            (as context_kv's `check`: on an NPU a device-to-host copy, skipped with False for
             a checked step plan; the CPU kernels always check).
 
     Returns:
@@ -86,12 +86,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     `npu_fused_infer_attention_score` instead of dflash's kernel (see `dflash.ops.npu_attention`).
     """
     return npu_attention.paged_attention(query, key, value, key_cache, value_cache, block_table,
-                                         context_lens, cu_query_lens, scale, causal, validate)
+                                         context_lens, cu_query_lens, scale, causal, check)
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                      target_probs: torch.Tensor, is_greedy: torch.Tensor, uniform: torch.Tensor,
-                     exponential: torch.Tensor, validate: bool = True
+                     exponential: torch.Tensor, check: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest valid prefix of each draft and emit one correction or bonus token.
 
@@ -109,7 +109,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
         is_greedy: [Bs] bool.
         uniform: [Bs, K] float32 in [0, 1), acceptance coins.
         exponential: [Bs, V] float32 Exp(1) noise for the one resampled token per row.
-        validate: True checks every token id, probability and noise value first (a bad one
+        check: True checks every token id, probability and noise value first (a bad one
             raises a ValueError naming it); False, for a caller that built them itself (the
             engine), checks only the ids, the coins and the values sampling reads (p and q at the
             drafts up to the first rejection, then the rows that token is drawn from), with the
@@ -119,7 +119,7 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
         output_token_ids [Bs, K + 1] int64 (emitted tokens, then -1) and num_accepted [Bs] int64.
     """
     return torch.ops.dflash.rejection_sample(draft_token_ids, draft_probs, target_probs,
-                                             is_greedy, uniform, exponential, validate)
+                                             is_greedy, uniform, exponential, check)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,7 +154,7 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
                    k_norm_weight: torch.Tensor | None, cos_sin: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   num_heads: int, eps: float = 1e-6, validate: bool = True
+                   num_heads: int, eps: float = 1e-6, check: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention's input in one pass: heads out of the fused QKV projection, the optional
     per-head q/k RMSNorm (Qwen3), RoPE, and the new tokens' K/V written to the paged caches.
@@ -166,7 +166,7 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
         key_cache, value_cache: [num_blocks, block_size, Hkv, D] in qkv's dtype, written in place.
         slot_mapping: [T] int64, slot = block * block_size + offset, or -1 (not stored).
         num_heads: Hq.
-        validate: True checks every slot; False, for a checked step plan, skips that where it
+        check: True checks every slot; False, for a checked step plan, skips that where it
             costs a device-to-host copy (the PyTorch reference, which serves other devices).
 
     Returns:
@@ -174,7 +174,7 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
         [T, Hkv, D], contiguous, in qkv's dtype.
     """
     return torch.ops.dflash.qkv_rope_cache(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
-                                           value_cache, slot_mapping, num_heads, eps, validate)
+                                           value_cache, slot_mapping, num_heads, eps, check)
 
 
 def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,

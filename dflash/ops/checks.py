@@ -1,4 +1,4 @@
-"""Input validation shared by the reference ops and the fake (meta) implementations.
+"""Input checks shared by the reference ops and the fake (meta) implementations.
 
 `*_meta` functions look only at shapes, dtypes and devices, so they also run on fake tensors.
 `*_values` functions read index and probability values; they run before an op writes anything, so
@@ -30,7 +30,13 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def tensor(op: str, name: str, t, dtypes, dim: int, shape: Sequence[int | None] | None = None,
+def number(x: float) -> str:
+    """A float in messages: 9 significant digits (round-trips a float32); csrc/checks.h writes
+    the same."""
+    return "nan" if x != x else f"{x:.9g}"
+
+
+def check_tensor(op: str, name: str, t, dtypes, dim: int, shape: Sequence[int | None] | None = None,
            device: torch.device | None = None) -> None:
     """`t` is a tensor of rank `dim`, one of `dtypes`, sizes `shape` (None = any), on `device`."""
     require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
@@ -53,41 +59,41 @@ def tensor(op: str, name: str, t, dtypes, dim: int, shape: Sequence[int | None] 
 def context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
                     positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps) -> None:
     op = "context_kv"
-    tensor(op, "hidden", hidden, FLOAT_DTYPES, 2)
+    check_tensor(op, "hidden", hidden, FLOAT_DTYPES, 2)
     dtype, dev = hidden.dtype, hidden.device
     n, d_in = hidden.shape
     if fc_weight is not None:
-        tensor(op, "fc_weight", fc_weight, dtype, 2, (None, d_in), dev)
+        check_tensor(op, "fc_weight", fc_weight, dtype, 2, (None, d_in), dev)
         h = fc_weight.shape[0]
     else:
         h = d_in
-    tensor(op, "hidden_norm_weight", hidden_norm_weight, dtype, 1, (h,), dev)
-    tensor(op, "k_norm_weight", k_norm_weight, dtype, 2, device=dev)
+    check_tensor(op, "hidden_norm_weight", hidden_norm_weight, dtype, 1, (h,), dev)
+    check_tensor(op, "k_norm_weight", k_norm_weight, dtype, 2, device=dev)
     layers, d = k_norm_weight.shape
     require(d % 2 == 0, op, f"head_dim {d} must be even for rotate-half RoPE")
     require(len(key_caches) == layers and len(value_caches) == layers, op,
             f"expected {layers} key and value caches (one per layer of k_norm_weight), "
             f"got {len(key_caches)} key and {len(value_caches)} value caches")
     require(layers > 0, op, "k_norm_weight must describe at least one layer")
-    tensor(op, "key_caches[0]", key_caches[0], dtype, 4, device=dev)
+    check_tensor(op, "key_caches[0]", key_caches[0], dtype, 4, device=dev)
     cache_shape = tuple(key_caches[0].shape)
     hkv = cache_shape[2]
     require(cache_shape[3] == d, op,
             f"key_caches[0] has head_dim {cache_shape[3]}, k_norm_weight has {d}")
     for name, caches in (("key_caches", key_caches), ("value_caches", value_caches)):
         for i, c in enumerate(caches):
-            tensor(op, f"{name}[{i}]", c, dtype, 4, cache_shape, dev)
+            check_tensor(op, f"{name}[{i}]", c, dtype, 4, cache_shape, dev)
     rows = layers * 2 * hkv * d
-    tensor(op, "kv_weight", kv_weight, dtype, 2, device=dev)
+    check_tensor(op, "kv_weight", kv_weight, dtype, 2, device=dev)
     require(kv_weight.shape[0] == rows and kv_weight.shape[1] == h, op,
             f"kv_weight has shape {_shape(kv_weight)}, expected [{rows}, {h}] "
             f"(L={layers} x 2 x Hkv={hkv} x D={d} rows, hidden {h})")
     if kv_bias is not None:
-        tensor(op, "kv_bias", kv_bias, dtype, 1, (rows,), dev)
-    tensor(op, "positions", positions, torch.int64, 1, (n,), dev)
-    tensor(op, "slot_mapping", slot_mapping, torch.int64, 1, (n,), dev)
-    tensor(op, "cos_sin_cache", cos_sin_cache, torch.float32, 2, (None, d), dev)
-    require(eps >= 0, op, f"eps must be non-negative, got {eps}")
+        check_tensor(op, "kv_bias", kv_bias, dtype, 1, (rows,), dev)
+    check_tensor(op, "positions", positions, torch.int64, 1, (n,), dev)
+    check_tensor(op, "slot_mapping", slot_mapping, torch.int64, 1, (n,), dev)
+    check_tensor(op, "cos_sin_cache", cos_sin_cache, torch.float32, 2, (None, d), dev)
+    require(eps >= 0, op, f"eps must be non-negative, got {number(eps)}")
 
 
 def context_kv_values(positions, cos_sin_cache, slot_mapping, key_caches) -> None:
@@ -119,21 +125,22 @@ def slot_mapping_values(op: str, slot_mapping, cache) -> None:
 def paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
                          cu_query_lens, scale, causal) -> None:
     op = "paged_attention"
-    tensor(op, "query", query, FLOAT_DTYPES, 3)
+    check_tensor(op, "query", query, FLOAT_DTYPES, 3)
     dtype, dev = query.dtype, query.device
     tq, hq, d = query.shape
-    tensor(op, "key", key, dtype, 3, (tq, None, d), dev)
+    check_tensor(op, "key", key, dtype, 3, (tq, None, d), dev)
     hkv = key.shape[1]
-    tensor(op, "value", value, dtype, 3, (tq, hkv, d), dev)
+    check_tensor(op, "value", value, dtype, 3, (tq, hkv, d), dev)
     require(hkv > 0 and hq % hkv == 0, op,
             f"query heads {hq} must be a multiple of kv heads {hkv}")
-    tensor(op, "key_cache", key_cache, dtype, 4, (None, None, hkv, d), dev)
-    tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
-    tensor(op, "block_table", block_table, torch.int32, 2, device=dev)
+    check_tensor(op, "key_cache", key_cache, dtype, 4, (None, None, hkv, d), dev)
+    check_tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
+    check_tensor(op, "block_table", block_table, torch.int32, 2, device=dev)
     b = block_table.shape[0]
-    tensor(op, "context_lens", context_lens, torch.int32, 1, (b,), dev)
-    tensor(op, "cu_query_lens", cu_query_lens, torch.int32, 1, (b + 1,), dev)
-    require(scale == scale and abs(scale) != float("inf"), op, f"scale must be finite, got {scale}")
+    check_tensor(op, "context_lens", context_lens, torch.int32, 1, (b,), dev)
+    check_tensor(op, "cu_query_lens", cu_query_lens, torch.int32, 1, (b + 1,), dev)
+    require(scale == scale and abs(scale) != float("inf"), op,
+            f"scale must be finite, got {number(scale)}")
 
 
 def paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens) -> None:
@@ -166,17 +173,17 @@ def paged_attention_values(query, key_cache, block_table, context_lens, cu_query
 def rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                           exponential) -> None:
     op = "rejection_sample"
-    tensor(op, "draft_token_ids", draft_token_ids, torch.int64, 2)
+    check_tensor(op, "draft_token_ids", draft_token_ids, torch.int64, 2)
     dev = draft_token_ids.device
     bs, k = draft_token_ids.shape
-    tensor(op, "target_probs", target_probs, torch.float32, 3, (bs, k + 1, None), dev)
+    check_tensor(op, "target_probs", target_probs, torch.float32, 3, (bs, k + 1, None), dev)
     v = target_probs.shape[2]
     require(v > 0, op, "target_probs has an empty vocabulary")
     if draft_probs is not None:
-        tensor(op, "draft_probs", draft_probs, torch.float32, 3, (bs, k, v), dev)
-    tensor(op, "is_greedy", is_greedy, torch.bool, 1, (bs,), dev)
-    tensor(op, "uniform", uniform, torch.float32, 2, (bs, k), dev)
-    tensor(op, "exponential", exponential, torch.float32, 2, (bs, v), dev)
+        check_tensor(op, "draft_probs", draft_probs, torch.float32, 3, (bs, k, v), dev)
+    check_tensor(op, "is_greedy", is_greedy, torch.bool, 1, (bs,), dev)
+    check_tensor(op, "uniform", uniform, torch.float32, 2, (bs, k), dev)
+    check_tensor(op, "exponential", exponential, torch.float32, 2, (bs, v), dev)
 
 
 def _check_probs(op: str, name: str, probs: torch.Tensor) -> None:
@@ -204,7 +211,7 @@ def rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
     bad = (~((uniform >= 0) & (uniform < 1))).nonzero()
     if len(bad):
         b, i = (int(x) for x in bad[0])
-        fail(op, f"uniform[{b}, {i}] = {float(uniform[b, i])} is outside [0, 1)")
+        fail(op, f"uniform[{b}, {i}] = {number(float(uniform[b, i]))} is outside [0, 1)")
     bad = (~((exponential > 0) & torch.isfinite(exponential))).any(-1).nonzero()
     if len(bad):
         fail(op, f"exponential row {int(bad[0])} must be positive and finite (Exp(1) noise)")
@@ -216,20 +223,20 @@ def rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
 
 def _rows_input(op: str, x) -> None:
     """`x` [..., H] is a float tensor of rank >= 1 with a non-empty last dim."""
-    tensor(op, "x", x, FLOAT_DTYPES, max(x.dim(), 1) if isinstance(x, torch.Tensor) else 1)
+    check_tensor(op, "x", x, FLOAT_DTYPES, max(x.dim(), 1) if isinstance(x, torch.Tensor) else 1)
     require(x.shape[-1] > 0, op, f"x has shape {_shape(x)}, its last dim is empty")
 
 
 def rms_norm_meta(x, weight, eps, op: str = "rms_norm") -> None:
     _rows_input(op, x)
-    tensor(op, "weight", weight, FLOAT_DTYPES, 1, (x.shape[-1],), x.device)
-    require(eps >= 0, op, f"eps must be non-negative, got {eps}")
+    check_tensor(op, "weight", weight, FLOAT_DTYPES, 1, (x.shape[-1],), x.device)
+    require(eps >= 0, op, f"eps must be non-negative, got {number(eps)}")
 
 
 def add_rms_norm_meta(x, residual, weight, eps) -> None:
     op = "add_rms_norm"
     rms_norm_meta(x, weight, eps, op)
-    tensor(op, "residual", residual, x.dtype, x.dim(), tuple(x.shape), x.device)
+    check_tensor(op, "residual", residual, x.dtype, x.dim(), tuple(x.shape), x.device)
 
 
 def silu_and_mul_meta(x) -> None:
@@ -246,41 +253,42 @@ def panel_linear_meta(x, weight_panels, bias) -> None:
     _rows_input(op, x)
     k = x.shape[-1]
     if isinstance(weight_panels, torch.Tensor) and weight_panels.dim() == 4:
-        tensor(op, "weight_panels", weight_panels, x.dtype, 4, (None, k // 2, 16, 2), x.device)
+        check_tensor(op, "weight_panels", weight_panels, x.dtype, 4, (None, k // 2, 16, 2),
+                     x.device)
         require(x.dtype == torch.bfloat16, op, "pair panels (4-D weight_panels) hold bfloat16 "
                 f"weights only, got {x.dtype}")
         require(k % 2 == 0, op, f"pair panels need an even K, x has {k} columns")
     else:
-        tensor(op, "weight_panels", weight_panels, x.dtype, 3, (None, k, 16), x.device)
+        check_tensor(op, "weight_panels", weight_panels, x.dtype, 3, (None, k, 16), x.device)
     if bias is not None:
-        tensor(op, "bias", bias, FLOAT_DTYPES, 1, (weight_panels.shape[0] * 16,), x.device)
+        check_tensor(op, "bias", bias, FLOAT_DTYPES, 1, (weight_panels.shape[0] * 16,), x.device)
 
 
 def qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
                         slot_mapping, num_heads, eps) -> None:
     op = "qkv_rope_cache"
-    tensor(op, "key_cache", key_cache, FLOAT_DTYPES, 4)
+    check_tensor(op, "key_cache", key_cache, FLOAT_DTYPES, 4)
     dtype, dev = key_cache.dtype, key_cache.device
     hkv, d = key_cache.shape[2:]
     require(d > 0 and d % 2 == 0, op,
             f"head_dim {d} must be positive and even for rotate-half RoPE")
-    tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
+    check_tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
     require(hkv > 0 and num_heads > 0 and num_heads % hkv == 0, op,
             f"num_heads {num_heads} must be a positive multiple of the caches' {hkv} kv heads")
-    tensor(op, "qkv", qkv, dtype, 2, (None, (num_heads + 2 * hkv) * d), dev)
+    check_tensor(op, "qkv", qkv, dtype, 2, (None, (num_heads + 2 * hkv) * d), dev)
     t = qkv.shape[0]
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None:
-            tensor(op, name, w, FLOAT_DTYPES, 1, (d,), dev)
-    tensor(op, "cos_sin", cos_sin, torch.float32, 2, (t, d), dev)
-    tensor(op, "slot_mapping", slot_mapping, torch.int64, 1, (t,), dev)
-    require(eps >= 0, op, f"eps must be non-negative, got {eps}")
+            check_tensor(op, name, w, FLOAT_DTYPES, 1, (d,), dev)
+    check_tensor(op, "cos_sin", cos_sin, torch.float32, 2, (t, d), dev)
+    check_tensor(op, "slot_mapping", slot_mapping, torch.int64, 1, (t,), dev)
+    require(eps >= 0, op, f"eps must be non-negative, got {number(eps)}")
 
 
 def rope_meta(x, cos_sin) -> None:
     op = "rope"
-    tensor(op, "x", x, FLOAT_DTYPES, 3)
+    check_tensor(op, "x", x, FLOAT_DTYPES, 3)
     d = x.shape[2]
     require(d > 0 and d % 2 == 0, op,
             f"head_dim {d} must be positive and even for rotate-half RoPE")
-    tensor(op, "cos_sin", cos_sin, torch.float32, 2, (x.shape[0], d), x.device)
+    check_tensor(op, "cos_sin", cos_sin, torch.float32, 2, (x.shape[0], d), x.device)

@@ -40,7 +40,7 @@ def backend() -> str:
 
 
 def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
-                    cu_query_lens, scale: float, causal: bool, validate: bool = True
+                    cu_query_lens, scale: float, causal: bool, check: bool = True
                     ) -> torch.Tensor:
     """`dflash.ops.paged_attention`, dispatched to the selected backend for NPU tensors."""
     if query.device.type == "npu" and backend() == "fused_infer":
@@ -50,7 +50,7 @@ def paged_attention(query, key, value, key_cache, value_cache, block_table, cont
                                      block_table, context_lens, cu_query_lens, scale, causal)
     return torch.ops.dflash.paged_attention(query, key, value, key_cache, value_cache, block_table,
                                             context_lens, cu_query_lens, scale, causal,
-                                            validate)
+                                            check)
 
 
 _masks: dict[torch.device, torch.Tensor] = {}

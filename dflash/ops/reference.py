@@ -38,10 +38,10 @@ def rope_neox(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
 def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
                positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps,
-               validate: bool = True) -> None:
+               check: bool = True) -> None:
     """Write the draft's context K/V of N tokens into each layer's paged cache (design 3.1).
 
-    The specification checks every index whatever `validate` says (it reads them anyway)."""
+    The specification checks every index whatever `check` says (it reads them anyway)."""
     checks.context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                            k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                            value_caches, eps)
@@ -75,11 +75,11 @@ def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: i
 
 
 def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
-                    cu_query_lens, scale, causal, validate: bool = True) -> torch.Tensor:
+                    cu_query_lens, scale, causal, check: bool = True) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context plus the new tokens.
 
     Returns [Tq, Hq, D] in the query dtype (docs/design.md 3.2). Every index is checked whatever
-    `validate` says, as in context_kv.
+    `check` says, as in context_kv.
     """
     checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
                                 context_lens, cu_query_lens, scale, causal)
@@ -116,11 +116,11 @@ def _noisy_argmax(weights: torch.Tensor, exponential: torch.Tensor) -> int:
 
 
 def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                     exponential, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     exponential, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative-decoding acceptance for a batch of drafts (docs/design.md 3.3).
 
     Returns (output_token_ids [Bs, K+1] int64 padded with -1, num_accepted [Bs] int64). The
-    specification checks every value whatever `validate` says (kernels may check only the values
+    specification checks every value whatever `check` says (kernels may check only the values
     they read when it is False).
     """
     checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
@@ -201,17 +201,17 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
                    k_norm_weight: torch.Tensor | None, cos_sin: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   num_heads: int, eps: float, validate: bool = True
+                   num_heads: int, eps: float, check: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split qkv [T, (Hq + 2 Hkv) D] into q [T, Hq, D], k, v [T, Hkv, D]; q and k heads are
     RMSNormed (when a weight is given) and rotated in float32, rounded once; K and V are written
     to the caches [num_blocks, block_size, Hkv, D] at slot_mapping (-1: skip; of tokens sharing a
     slot, the last one's K/V stay). This function serves the op on every device without a
-    kernel, so `validate=False` (a checked step plan) skips the slot check: on a device it is a
+    kernel, so `check=False` (a checked step plan) skips the slot check: on a device it is a
     device-to-host copy per layer."""
     checks.qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
                                slot_mapping, num_heads, eps)
-    if validate:
+    if check:
         checks.slot_mapping_values("qkv_rope_cache", slot_mapping, key_cache)
     t, (hkv, d) = qkv.shape[0], key_cache.shape[2:]
     q, k, v = qkv.view(t, -1, d).split([num_heads, hkv, hkv], dim=1)

@@ -79,7 +79,7 @@ for _op in LAYER_OPS:   # every device without its own kernel (CompositeExplicit
 @torch.library.register_fake("dflash::context_kv")
 def _context_kv_fake(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm_weight,
                      positions, cos_sin_cache, slot_mapping, key_caches, value_caches, eps,
-                     validate=True):
+                     check=True):
     checks.context_kv_meta(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                            k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                            value_caches, eps)
@@ -87,7 +87,7 @@ def _context_kv_fake(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, 
 
 @torch.library.register_fake("dflash::paged_attention")
 def _paged_attention_fake(query, key, value, key_cache, value_cache, block_table, context_lens,
-                          cu_query_lens, scale, causal, validate=True):
+                          cu_query_lens, scale, causal, check=True):
     checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
                                 context_lens, cu_query_lens, scale, causal)
     return torch.empty_like(query)
@@ -95,7 +95,7 @@ def _paged_attention_fake(query, key, value, key_cache, value_cache, block_table
 
 @torch.library.register_fake("dflash::rejection_sample")
 def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
-                           exponential, validate=True):
+                           exponential, check=True):
     checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                  exponential)
     bs, k = draft_token_ids.shape
@@ -129,7 +129,7 @@ def _rope_fake(x, cos_sin):
 
 @torch.library.register_fake("dflash::qkv_rope_cache")
 def _qkv_rope_cache_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,
-                         slot_mapping, num_heads, eps, validate=True):
+                         slot_mapping, num_heads, eps, check=True):
     checks.qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache,
                                value_cache, slot_mapping, num_heads, eps)
     t, (hkv, d) = qkv.shape[0], key_cache.shape[2:]

@@ -137,7 +137,7 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim, first index on ties. torch.max returns the same index and is
-    several times faster than torch.argmax for bf16 on CPU (0.6 vs 3.7 ms for 16 x 49152)."""
+    several times faster than torch.argmax for bf16 on CPU."""
     return x.max(-1).indices
 
 
@@ -277,4 +277,4 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     # The probabilities come from target_probs / the draft and the noise from here: the kernel
     # checks only the values it reads.
     return ops.rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy,
-                                uniform, exponential, validate=False)
+                                uniform, exponential, check=False)

@@ -11,8 +11,9 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 
-from ..engine import LLMEngine, StepOutput
+from ..engine import LLMEngine, RequestMetrics, StepOutput
 from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 
@@ -32,8 +33,8 @@ class Handle:
         self.finished = False          # set on the event loop when the last event is read
         self.closed = False
         self.streaming = False         # a StreamingResponse owns the handle (and closes it)
-        # the engine thread's running figures, for the counters' increments
-        self.seen = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "first": False}
+        # the figures the Prometheus counters already include (engine thread)
+        self.counted = RequestMetrics()
 
     def deliver(self, event) -> None:
         """From the engine thread: a StepOutput, or an Exception that ends the request."""
@@ -162,22 +163,19 @@ class EngineThread:
                 del self._handles[out.request_id]
 
     def _count(self, handle: Handle, out: StepOutput) -> None:
-        m, seen, metrics = out.metrics, handle.seen, self.metrics
+        m, counted, metrics = out.metrics, handle.counted, self.metrics
         metrics.generation_tokens.inc(len(out.new_token_ids))
         if m is not None:
-            metrics.num_drafts.inc(m.num_drafts - seen["drafts"])
-            metrics.num_draft_tokens.inc(m.num_draft_tokens - seen["draft_tokens"])
-            metrics.num_accepted_tokens.inc(m.num_accepted_tokens - seen["accepted"])
-            per_pos = m.accepted_per_position
-            for i, n in enumerate(per_pos):
-                before = seen["per_pos"][i] if i < len(seen["per_pos"]) else 0
-                if n > before and i < len(metrics.accepted_per_pos):
-                    metrics.accepted_per_pos[i].inc(n - before)
-            seen.update(drafts=m.num_drafts, draft_tokens=m.num_draft_tokens,
-                        accepted=m.num_accepted_tokens, per_pos=list(per_pos))
-            if not seen["first"] and m.time_to_first_token is not None:
-                seen["first"] = True
+            metrics.num_drafts.inc(m.num_drafts - counted.num_drafts)
+            metrics.num_draft_tokens.inc(m.num_draft_tokens - counted.num_draft_tokens)
+            metrics.num_accepted_tokens.inc(m.num_accepted_tokens - counted.num_accepted_tokens)
+            before = counted.accepted_per_position + [0] * len(m.accepted_per_position)
+            for i, n in enumerate(m.accepted_per_position):
+                if n > before[i] and i < len(metrics.accepted_per_pos):
+                    metrics.accepted_per_pos[i].inc(n - before[i])
+            if counted.first_token_time is None and m.time_to_first_token is not None:
                 metrics.ttft.observe(m.time_to_first_token)
+            handle.counted = replace(m, accepted_per_position=list(m.accepted_per_position))
             if out.finished:
                 if m.time_per_output_token is not None:
                     metrics.tpot.observe(m.time_per_output_token)

@@ -164,11 +164,11 @@ def encode_completion(llm, prompt: str | list[int], max_chars: int) -> list[int]
         _check_text_length(len(prompt), max_chars, "prompt", llm.max_model_len)
         ids = llm.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
     else:
-        ids = list(prompt)
-        check_length(llm, ids, "prompt")
-        vocab = llm.target.cfg.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        check_length(llm, prompt, "prompt")   # before the ids are read
+        try:
+            ids = llm.processor.encode(prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), "prompt") from None
     check_length(llm, ids, "prompt")
     return ids
 
