@@ -47,7 +47,8 @@ class PagedAttention {
  public:
   __aicore__ inline void Init(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache,
                               GM_ADDR value_cache, GM_ADDR block_table, GM_ADDR context_lens,
-                              GM_ADDR cu_query_lens, GM_ADDR out, GM_ADDR tiling) {
+                              GM_ADDR cu_query_lens, GM_ADDR tree_mask, GM_ADDR out,
+                              GM_ADDR tiling) {
     dflash::ascend::kernel::LoadTiling(t_, tiling);
     pad_ = t_.head_pad;
     rowStride_ = t_.kv_heads * t_.head_dim;
@@ -60,6 +61,7 @@ class PagedAttention {
     blockTable_.SetGlobalBuffer((__gm__ int32_t*)block_table);
     contextLens_.SetGlobalBuffer((__gm__ int32_t*)context_lens);
     cuQueryLens_.SetGlobalBuffer((__gm__ int32_t*)cu_query_lens);
+    if (t_.tree_width) treeMask_.SetGlobalBuffer((__gm__ uint8_t*)tree_mask);
 
     const uint32_t rows = t_.q_tile * t_.head_tile, keys = t_.kv_tile * pad_;
     pipe_.InitBuffer(qBuf_, rows * pad_ * sizeof(float));
@@ -211,7 +213,7 @@ class PagedAttention {
     }
     for (uint32_t r = 0; r < rows_; ++r) {
       const uint32_t visible = Visible(r, c);
-      if (visible) Row(r, visible, k, v);
+      if (visible && SeesAny(r, c, visible)) Row(r, visible, c, k, v);
     }
     if constexpr (kFloat) {
       kQue_.FreeTensor(kRaw);
@@ -219,8 +221,24 @@ class PagedAttention {
     }
   }
 
+  // Whether row r's tree mask bit for new token j is set (docs/design.md 3.2).
+  __aicore__ inline bool TreeBit(uint32_t r, uint32_t j) {
+    const uint64_t row = seqStart_ + item_.q0 + r / item_.hn;
+    return (treeMask_.GetValue(row * t_.tree_width + j / 8) >> (j % 8)) & 1;
+  }
+
+  // Whether row r sees any of the first n keys of chunk c: always without a tree mask or for
+  // context keys; for new tokens, when one of their bits is set (a chunk it sees none of is
+  // skipped, so no row's softmax starts from masked keys alone).
+  __aicore__ inline bool SeesAny(uint32_t r, const Chunk& c, uint32_t n) {
+    if (!t_.tree_width || c.cached) return true;
+    for (uint32_t t = 0; t < n; ++t)
+      if (TreeBit(r, c.first + t - context_)) return true;
+    return false;
+  }
+
   // One query row against the first n keys of the chunk (online softmax update).
-  __aicore__ inline void Row(uint32_t r, uint32_t n, const LocalTensor<float>& k,
+  __aicore__ inline void Row(uint32_t r, uint32_t n, const Chunk& c, const LocalTensor<float>& k,
                              const LocalTensor<float>& v) {
     const uint32_t d = t_.head_dim;
     LocalTensor<float> q = qBuf_.Get<float>()[r * pad_];
@@ -236,6 +254,10 @@ class PagedAttention {
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Muls(s, s, t_.scale, n);
     dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
+    if (t_.tree_width && !c.cached) {  // new tokens outside the row's tree path: weight 0
+      for (uint32_t j = 0; j < n; ++j)
+        if (!TreeBit(r, c.first + j - context_)) s.SetValue(j, kNoMax);
+    }
     s.SetValue(n, max_[r]);  // lane n: exp(m - m') comes out of the same Exp as the p_j
     dflash::ascend::kernel::Sync<HardEvent::S_V>(pipe_);
     AscendC::ReduceMax(result, s, reduceTmp, n + 1);
@@ -299,28 +321,30 @@ class PagedAttention {
   dflash::ascend::kernel::CarriedFlag<HardEvent::MTE3_MTE2> outputWritten_;
   AscendC::GlobalTensor<T> query_, key_, value_, keyCache_, valueCache_, out_;
   AscendC::GlobalTensor<int32_t> blockTable_, contextLens_, cuQueryLens_;
+  AscendC::GlobalTensor<uint8_t> treeMask_;
 };
 
 template <typename T>
 __aicore__ inline void RunPagedAttention(GM_ADDR query, GM_ADDR key, GM_ADDR value,
                                          GM_ADDR key_cache, GM_ADDR value_cache,
                                          GM_ADDR block_table, GM_ADDR context_lens,
-                                         GM_ADDR cu_query_lens, GM_ADDR out, GM_ADDR tiling) {
+                                         GM_ADDR cu_query_lens, GM_ADDR tree_mask, GM_ADDR out,
+                                         GM_ADDR tiling) {
   PagedAttention<T> op;
-  op.Init(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
-          tiling);
+  op.Init(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
+          tree_mask, out, tiling);
   op.Process();
 }
 
 }  // namespace
 
-#define DFLASH_PAGED_ATTENTION_KERNEL(NAME, TYPE)                                                  \
-  extern "C" __global__ __aicore__ void NAME(GM_ADDR query, GM_ADDR key, GM_ADDR value,            \
-                                             GM_ADDR key_cache, GM_ADDR value_cache,               \
-                                             GM_ADDR block_table, GM_ADDR context_lens,            \
-                                             GM_ADDR cu_query_lens, GM_ADDR out, GM_ADDR tiling) { \
-    RunPagedAttention<TYPE>(query, key, value, key_cache, value_cache, block_table, context_lens,  \
-                            cu_query_lens, out, tiling);                                           \
+#define DFLASH_PAGED_ATTENTION_KERNEL(NAME, TYPE)                                                 \
+  extern "C" __global__ __aicore__ void NAME(                                                     \
+      GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache, GM_ADDR value_cache,          \
+      GM_ADDR block_table, GM_ADDR context_lens, GM_ADDR cu_query_lens, GM_ADDR tree_mask,        \
+      GM_ADDR out, GM_ADDR tiling) {                                                              \
+    RunPagedAttention<TYPE>(query, key, value, key_cache, value_cache, block_table, context_lens, \
+                            cu_query_lens, tree_mask, out, tiling);                               \
   }
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32, float)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16, half)
@@ -334,23 +358,23 @@ extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, 
                                               uint8_t* query, uint8_t* key, uint8_t* value,
                                               uint8_t* key_cache, uint8_t* value_cache,
                                               uint8_t* block_table, uint8_t* context_lens,
-                                              uint8_t* cu_query_lens, uint8_t* out,
-                                              uint8_t* tiling) {
+                                              uint8_t* cu_query_lens, uint8_t* tree_mask,
+                                              uint8_t* out, uint8_t* tiling) {
   switch (dtype) {
     case 0:
       dflash_paged_attention_fp32<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
-          tiling);
+          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
+          tree_mask, out, tiling);
       break;
     case 1:
       dflash_paged_attention_fp16<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
-          tiling);
+          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
+          tree_mask, out, tiling);
       break;
     default:
       dflash_paged_attention_bf16<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, out,
-          tiling);
+          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
+          tree_mask, out, tiling);
       break;
   }
 }

@@ -121,7 +121,8 @@ inline PagedAttentionTiling paged_attention_tiling(uint32_t q_heads, uint32_t kv
   PagedAttentionTiling t{
       0,          q_heads,          kv_heads, head_dim, head_pad(head_dim, elem_bytes),
       block_size, max_blocks,       group,    0,        0,
-      0,          causal ? 1u : 0u, 0,        sum_tmp,  scale};
+      0,          causal ? 1u : 0u, 0,        sum_tmp,  scale,
+      0};
   const uint32_t query_len = std::max(max_query_len, 1u);
   auto fits = [&](uint32_t q, uint32_t heads, uint32_t kv) {
     t.q_tile = q;

@@ -54,4 +54,5 @@ struct PagedAttentionTiling {
   uint32_t reduce_tmp;  // float elements of the ReduceMax / ReduceSum workspace
   uint32_t sum_tmp;     // bytes of the Sum workspace (row sums of kv_tile x head_dim products)
   float scale;
+  uint32_t tree_width;  // bytes per row of tree_mask (0: no tree mask; docs/design.md 3.2)
 };

@@ -39,6 +39,8 @@ inline std::string dtype_str(at::ScalarType t) {
       return "torch.int64";
     case at::kInt:
       return "torch.int32";
+    case at::kByte:
+      return "torch.uint8";
     case at::kBool:
       return "torch.bool";
     case at::kDouble:
@@ -194,7 +196,8 @@ inline void paged_attention_meta(const at::Tensor& query, const at::Tensor& key,
                                  const at::Tensor& value, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_table,
                                  const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                                 double scale) {
+                                 double scale, bool causal,
+                                 const std::optional<at::Tensor>& tree_mask) {
   constexpr const char* op = "paged_attention";
   check_tensor(op, "query", query, kFloats, 3);
   const auto dtype = query.scalar_type();
@@ -212,6 +215,30 @@ inline void paged_attention_meta(const at::Tensor& query, const at::Tensor& key,
   check_tensor(op, "context_lens", context_lens, {at::kInt}, 1, {b}, dev);
   check_tensor(op, "cu_query_lens", cu_query_lens, {at::kInt}, 1, {b + 1}, dev);
   DFLASH_CHECK(std::isfinite(scale), op, "scale must be finite, got ", number(scale));
+  if (tree_mask) {
+    DFLASH_CHECK(causal, op, "tree_mask needs causal=True (a tree is a subset of the causal mask)");
+    check_tensor(op, "tree_mask", *tree_mask, {at::kByte}, 2, {tq, kAny}, dev);
+  }
+}
+
+// A host copy (contiguous) of tree_mask [tq, width]: row i of a sequence sees itself and only
+// earlier rows of its sequence.
+inline void tree_mask_values(const uint8_t* mask, int64_t width, const int32_t* cu, int64_t batch) {
+  constexpr const char* op = "paged_attention";
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, cu[b + 1] - cu[b]);
+  DFLASH_CHECK(8 * width >= longest, op, "tree_mask has ", width,
+               " bytes per row, too few for a sequence of ", longest, " new tokens");
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < cu[b + 1] - cu[b]; ++i) {
+      const uint8_t* row = mask + (cu[b] + i) * width;
+      DFLASH_CHECK(row[i / 8] >> (i % 8) & 1, op, "tree_mask row ", cu[b] + i, " (sequence ", b,
+                   ", new token ", i, ") does not see itself");
+      for (int64_t j = i + 1; j < 8 * width; ++j)
+        DFLASH_CHECK(!(row[j / 8] >> (j % 8) & 1), op, "tree_mask row ", cu[b] + i, " (sequence ",
+                     b, ", new token ", i, ") sees new token ", j, ", which is not before it");
+    }
+  }
 }
 
 // Host copies (contiguous) of the index tensors: `table` is [batch, max_blocks], `context_lens`

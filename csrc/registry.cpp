@@ -15,7 +15,7 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
-      "float scale, bool causal, bool check=True) -> Tensor");
+      "float scale, bool causal, bool check=True, Tensor? tree_mask=None) -> Tensor");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True) -> "

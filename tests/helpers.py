@@ -157,12 +157,13 @@ def sequence_metadata(start: int, length: int, blocks: list[int], block_size: in
 
 
 class RandomVerifySchedule:
-    """A stand-in for the engine's planner (`LLM.planner`) that verifies random lengths in
-    0..k_max, every one 0 on some steps (seeded); `steps` records its choices."""
+    """A stand-in for the engine's planner (`LLMEngine.planner`) that verifies random lengths in
+    0..k_max, every one 0 on some steps, and trees of random sizes up to every candidate
+    (seeded); `steps` and `trees` record its choices."""
 
     def __init__(self, seed: int, k_max: int):
         self.rng = random.Random(seed)
-        self.k_max, self.steps = k_max, []
+        self.k_max, self.steps, self.trees = k_max, [], []
 
     def plan(self, requests):
         if self.rng.random() < 0.2:
@@ -176,6 +177,14 @@ class RandomVerifySchedule:
         pass
 
     def observe_time(self, *args):
+        pass
+
+    def choose_nodes(self, scores, sequences):
+        counts = [self.rng.choice([0, 1, 2, 5, 15, len(s)]) for s in scores]
+        self.trees.append([min(c, len(s)) for c, s in zip(counts, scores)])
+        return self.trees[-1]
+
+    def observe_trees(self, *args):
         pass
 
     def forget(self, request_id):

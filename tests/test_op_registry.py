@@ -29,7 +29,7 @@ def test_schemas_match_spec():
     assert schemas["context_kv"].endswith(
         "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, bool check=True) -> ()")
     assert schemas["paged_attention"].endswith(
-        "float scale, bool causal, bool check=True) -> Tensor")
+        "float scale, bool causal, bool check=True, Tensor? tree_mask=None) -> Tensor")
     assert "Tensor? draft_probs" in schemas["rejection_sample"]
     assert schemas["rejection_sample"].endswith("-> (Tensor, Tensor)")
 

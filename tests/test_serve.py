@@ -24,6 +24,8 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from dflash import LLM, SamplingParams  # noqa: E402
+from dflash.engine.cost_model import CostModel  # noqa: E402
+from dflash.engine.speculation import Planner  # noqa: E402
 from dflash.serve import Server  # noqa: E402
 
 from helpers import (  # noqa: E402
@@ -322,6 +324,29 @@ def test_load_64_requests_from_16_streaming_clients(server, offline):
         _metric(samples, "dflash:kv_cache_total_blocks")
     assert server.state.in_flight == 0
     print(f"64 requests from 16 streaming clients in {elapsed:.1f} s")
+
+
+def test_tree_steps_are_in_the_metrics(pair, offline):
+    """Where verify rows cost nothing the engine verifies trees; /metrics shows how many nodes
+    its request-steps verified and how deep they accepted, and the text is the target's own."""
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=2)
+    flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
+    llm.planner = Planner(B - 1, flat)
+    with Server(llm, NAME, port=0) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=NAME, prompt="trees of drafts", max_tokens=24,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        ref = offline.generate("trees of drafts", SamplingParams(max_tokens=24, ignore_eos=True))
+        assert r.choices[0].text == ref[0].text
+        _wait_idle(s)
+        samples = _scrape(s)
+    stats = llm.stats
+    assert stats.tree_steps > 0
+    assert _metric(samples, "dflash:spec_decode_tree_steps") == stats.tree_steps
+    for k, n in stats.tree_nodes.items():
+        assert _metric(samples, "dflash:spec_decode_tree_request_steps", nodes=str(k)) == n
+    for k, n in stats.tree_depths.items():
+        assert _metric(samples, "dflash:spec_decode_tree_accepted_depth", depth=str(k)) == n
 
 
 # --------------------------------------------------------------------------------- faults

@@ -15,7 +15,7 @@ void dflash_context_kv_fp16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, ui
 void dflash_context_kv_bf16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
 #define DFLASH_PAGED_ATTENTION_KERNEL(NAME)                                                 \
   void NAME(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, \
-            uint8_t*, uint8_t*);
+            uint8_t*, uint8_t*, uint8_t*);
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_bf16)
@@ -42,6 +42,7 @@ struct Config {
 
 // A GM buffer the kernel may touch: the whole extent of `t`'s elements, whatever its strides.
 dflash::emu::GmArg gm(const at::Tensor& t, bool writable, std::string name) {
+  if (!t.defined()) return {nullptr, 0, writable, std::move(name)};  // an absent optional input
   int64_t last = 0;
   for (int64_t i = 0; i < t.dim(); ++i) last += (t.size(i) - 1) * t.stride(i);
   const size_t bytes = t.numel() ? (last + 1) * t.element_size() : 0;
@@ -108,10 +109,11 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_table, const at::Tensor& context_lens,
-                           const at::Tensor& cu_query_lens, double scale, bool causal, bool check) {
-  auto l = dflash::ascend::prepare_paged_attention(query, key, value, key_cache, value_cache,
-                                                   block_table, context_lens, cu_query_lens, scale,
-                                                   causal, check, config.cores, config.ub_bytes);
+                           const at::Tensor& cu_query_lens, double scale, bool causal, bool check,
+                           const std::optional<at::Tensor>& tree_mask) {
+  auto l = dflash::ascend::prepare_paged_attention(
+      query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, scale,
+      causal, check, tree_mask, config.cores, config.ub_bytes);
   if (l.block_dim == 0) return l.out;
   std::vector<dflash::emu::GmArg> args{gm(l.query, false, "query"),
                                        gm(l.key, false, "key"),
@@ -121,6 +123,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                                        gm(l.block_table, false, "block_table"),
                                        gm(l.context_lens, false, "context_lens"),
                                        gm(l.cu_query_lens, false, "cu_query_lens"),
+                                       gm(l.tree_mask, false, "tree_mask"),
                                        gm(l.out, true, "output"),
                                        gm(l.tiling_gm, false, "tiling")};
   auto kernel = l.dtype_code == 0   ? dflash_paged_attention_fp32
@@ -129,7 +132,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   dflash::emu::launch(l.block_dim, std::move(args), [&] {
     kernel(gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value), gm_ptr(l.key_cache),
            gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
-           gm_ptr(l.cu_query_lens), gm_ptr(l.out), gm_ptr(l.tiling_gm));
+           gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask), gm_ptr(l.out), gm_ptr(l.tiling_gm));
   });
   return l.out;
 }
@@ -191,7 +194,7 @@ TORCH_LIBRARY(dflash_emu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
-      "float scale, bool causal, bool check=True) -> Tensor");
+      "float scale, bool causal, bool check=True, Tensor? tree_mask=None) -> Tensor");
   m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash::emu::configure);
   m.def("host_copies() -> int", &dflash::emu::host_copies);
   m.def(

@@ -205,6 +205,8 @@ struct Args {
   const T *query, *key, *value, *key_cache, *value_cache;
   T* out;
   const int32_t *block_table, *context_lens, *cu;
+  const uint8_t* tree_mask;  // [Tq, mask_width] bits, or null (docs/design.md 3.2)
+  int64_t mask_width;
   int64_t head_dim, padded_dim, group, hkv, max_blocks, block_size;
   int64_t kc_stride[3], vc_stride[3];  // block, slot, head (the last dim is contiguous)
   float scale;
@@ -258,10 +260,27 @@ struct ItemView {
         rows(it.row_end - it.row_begin),
         m((it.row_end - it.row_begin) * a.group),
         table(a.block_table + it.seq * a.max_blocks) {}
+  // A row of a tree (an item of one row) sees its context, then its path: its ancestors and
+  // itself, the set bits of its mask row in order. Its keys are gathered in that order, so the
+  // row computes exactly what the last row of a causal chain of its path would.
+  std::vector<int32_t> path;
+  void trace_path(const Args<T>& a, const Item& it) {
+    const uint8_t* bits = a.tree_mask + (start + it.row_begin) * a.mask_width;
+    for (int32_t j = 0; j <= it.row_begin; ++j)
+      if (bits[j / 8] >> (j % 8) & 1) path.push_back(j);
+  }
   // Keys [0, total) are visible to at least one row; row i sees keys [0, visible(i)).
   int64_t total(const Args<T>& a, const Item& it) const {
+    if (a.tree_mask) return ctx + static_cast<int64_t>(path.size());
     return ctx + (a.causal ? it.row_end : n);
   }
+  // How many of the tile's keys [j0, j0 + keys) item row `row` sees.
+  int64_t visible(const Args<T>& a, const Item& it, int64_t row, int64_t j0, int64_t keys) const {
+    if (!a.causal || a.tree_mask) return keys;
+    return std::min(keys, ctx + it.row_begin + row + 1 - j0);
+  }
+  // The new token whose K/V is key j >= ctx.
+  int64_t new_token(int64_t j) const { return path.empty() ? j - ctx : path[j - ctx]; }
 };
 
 // Addresses of the K/V rows of keys [j0, j0 + count) of head h: the context through the block
@@ -279,8 +298,8 @@ void kv_rows(const Args<T>& a, const ItemView<T>& v, int64_t h, int64_t j0, int6
                  h * a.vc_stride[2];
       if (++slot == a.block_size) slot = 0, ++blk;
     } else {
-      krows[t] = a.key + ((v.start + j - v.ctx) * a.hkv + h) * a.head_dim;
-      vrows[t] = a.value + ((v.start + j - v.ctx) * a.hkv + h) * a.head_dim;
+      krows[t] = a.key + ((v.start + v.new_token(j)) * a.hkv + h) * a.head_dim;
+      vrows[t] = a.value + ((v.start + v.new_token(j)) * a.hkv + h) * a.head_dim;
     }
   }
 }
@@ -309,8 +328,9 @@ void store_rows(const Args<T>& a, const Item& it, const ItemView<T>& v, const Sc
 template <typename T>
 void run_item(const Args<T>& a, const Item& it, Scratch& w) {
   const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
-  const ItemView<T> v(a, it);
-  const int64_t m = v.m, ctx = v.ctx;
+  ItemView<T> v(a, it);
+  if (a.tree_mask) v.trace_path(a, it);
+  const int64_t m = v.m;
   // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
   // adjacent in memory, so each query row contributes one contiguous [g * d] run.
   for (int64_t i = 0; i < v.rows; ++i) {
@@ -350,8 +370,7 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
       constexpr int R = decltype(block)::value;
       score_block<R>(w.q.data() + row * d, d, w.kt.data(), d, cols, w.s.data() + row * kKeyTile);
       for (int64_t r = row; r < row + R; ++r) {
-        const int64_t visible =
-            a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
+        const int64_t visible = v.visible(a, it, r / g, j0, keys);
         softmax_row(w.s.data() + r * kKeyTile, visible, vcols, w.row_ref[r],
                     w.row_sum.data() + r * kV, w.o.data() + r * dp, dp);
       }
@@ -435,8 +454,9 @@ void pack_values(const T* const* rows, int64_t keys, int64_t d, T* stage, T* dst
 template <typename T>
 void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
   const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
-  const ItemView<T> v(a, it);
-  const int64_t m = v.m, ctx = v.ctx;
+  ItemView<T> v(a, it);
+  if (a.tree_mask) v.trace_path(a, it);
+  const int64_t m = v.m;
   auto* q16 = reinterpret_cast<T*>(w.q16.data());
   constexpr int64_t kTile = kMatrixKeys;
   auto* p_hi = reinterpret_cast<T*>(w.p16.data());
@@ -460,7 +480,7 @@ void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
     for (int64_t r = 0; r < m; ++r) {
       float* srow = w.s.data() + r * kTile;
       for (int64_t c = 0; c < vcols; c += kV) (Vec::loadu(srow + c) * Vec(a.scale)).store(srow + c);
-      const int64_t visible = a.causal ? std::min(keys, ctx + it.row_begin + r / g + 1 - j0) : keys;
+      const int64_t visible = v.visible(a, it, r / g, j0, keys);
       softmax_row(srow, visible, vcols, w.row_ref[r], w.row_sum.data() + r * kV,
                   w.o.data() + r * dp, dp);
       split_hi_lo(srow, p_hi + r * kTile, p_lo + r * kTile, round_up(keys, 2 * kV));
@@ -481,7 +501,8 @@ bool uses_matrix_engine(const Args<T>& a, const Item& it) {
 
 template <typename T>
 void run(const Args<T>& a, int64_t batch) {
-  const int64_t rows_per_item = std::max<int64_t>(1, kQueryVectors / a.group);
+  // a tree's rows see different keys: one row per item (ItemView::trace_path)
+  const int64_t rows_per_item = a.tree_mask ? 1 : std::max<int64_t>(1, kQueryVectors / a.group);
   std::vector<Item> items;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = a.cu[b + 1] - a.cu[b], ctx = a.context_lens[b];
@@ -528,16 +549,21 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_table,
                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                               double scale, bool causal, bool /*check*/) {
+                               double scale, bool causal, bool /*check*/,
+                               const std::optional<at::Tensor>& tree_mask) {
   // As in context_kv: the index checks cost no copy on the CPU, so they always run.
   checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
-                               cu_query_lens, scale);
+                               cu_query_lens, scale, causal, tree_mask);
   const auto table = block_table.contiguous();
   const auto ctx = context_lens.contiguous();
   const auto cu = cu_query_lens.contiguous();
   checks::paged_attention_values(query.size(0), key_cache.size(0), key_cache.size(1),
                                  table.data_ptr<int32_t>(), table.size(0), table.size(1),
                                  ctx.data_ptr<int32_t>(), cu.data_ptr<int32_t>());
+  const auto mask = tree_mask ? tree_mask->contiguous() : at::Tensor();
+  if (tree_mask)
+    checks::tree_mask_values(mask.data_ptr<uint8_t>(), mask.size(1), cu.data_ptr<int32_t>(),
+                             table.size(0));
 
   auto out = at::empty_like(query, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
@@ -558,6 +584,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
     a.block_table = table.data_ptr<int32_t>();
     a.context_lens = ctx.data_ptr<int32_t>();
     a.cu = cu.data_ptr<int32_t>();
+    a.tree_mask = tree_mask ? mask.data_ptr<uint8_t>() : nullptr;
+    a.mask_width = tree_mask ? mask.size(1) : 0;
     a.head_dim = query.size(2);
     a.padded_dim = round_up(a.head_dim, kV);
     a.hkv = key.size(1);

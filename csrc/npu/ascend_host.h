@@ -214,12 +214,18 @@ inline ContextKvLaunch prepare_context_kv(
 inline void check_paged_attention_values(const at::Tensor& query, const at::Tensor& key_cache,
                                          const at::Tensor& block_table,
                                          const at::Tensor& context_lens,
-                                         const at::Tensor& cu_query_lens) {
+                                         const at::Tensor& cu_query_lens,
+                                         const std::optional<at::Tensor>& tree_mask) {
   const at::Tensor cu = to_host(cu_query_lens), ctx = to_host(context_lens);
   const at::Tensor table = to_host(block_table);
   checks::paged_attention_values(query.size(0), key_cache.size(0), key_cache.size(1),
                                  table.const_data_ptr<int32_t>(), table.size(0), table.size(1),
                                  ctx.const_data_ptr<int32_t>(), cu.const_data_ptr<int32_t>());
+  if (tree_mask) {
+    const at::Tensor mask = to_host(*tree_mask);
+    checks::tree_mask_values(mask.const_data_ptr<uint8_t>(), mask.size(1),
+                             cu.const_data_ptr<int32_t>(), table.size(0));
+  }
 }
 
 struct PagedAttentionLaunch {
@@ -227,6 +233,7 @@ struct PagedAttentionLaunch {
   uint32_t block_dim;  // 0: no query rows, nothing to launch
   int dtype_code;      // 0 float32, 1 float16, 2 bfloat16: which kernel
   at::Tensor query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens;
+  at::Tensor tree_mask;  // undefined without a tree mask
   at::Tensor out, tiling_gm;
 };
 
@@ -243,13 +250,14 @@ inline PagedAttentionLaunch prepare_paged_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale, bool causal,
-    bool check, uint32_t cores, uint64_t ub_bytes = kUbBytes,
-    SumWorkspace sum_workspace = emulated_sum_workspace) {
+    bool check, const std::optional<at::Tensor>& tree_mask, uint32_t cores,
+    uint64_t ub_bytes = kUbBytes, SumWorkspace sum_workspace = emulated_sum_workspace) {
   constexpr const char* op = "paged_attention";
   checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
-                               cu_query_lens, scale);
+                               cu_query_lens, scale, causal, tree_mask);
   if (check)
-    check_paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens);
+    check_paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens,
+                                 tree_mask);
   PagedAttentionLaunch l{};
   if (query.numel() == 0) {  // no rows, heads or head_dim: nothing to launch
     l.out = at::empty_like(query);
@@ -279,6 +287,10 @@ inline PagedAttentionLaunch prepare_paged_attention(
   l.block_table = block_table.contiguous();
   l.context_lens = context_lens.contiguous();
   l.cu_query_lens = cu_query_lens.contiguous();
+  if (tree_mask) {
+    l.tree_mask = tree_mask->contiguous();
+    l.tiling.tree_width = static_cast<uint32_t>(l.tree_mask.size(1));
+  }
   l.out = at::empty_like(l.query);
   l.tiling_gm = tiling_tensor(l.tiling, query.device());
   return l;

@@ -6,8 +6,8 @@ extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, 
                                               uint8_t* query, uint8_t* key, uint8_t* value,
                                               uint8_t* key_cache, uint8_t* value_cache,
                                               uint8_t* block_table, uint8_t* context_lens,
-                                              uint8_t* cu_query_lens, uint8_t* out,
-                                              uint8_t* tiling);
+                                              uint8_t* cu_query_lens, uint8_t* tree_mask,
+                                              uint8_t* out, uint8_t* tiling);
 
 namespace dflash::npu {
 
@@ -22,17 +22,18 @@ at::Tensor paged_attention_npu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_table,
                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                               double scale, bool causal, bool check) {
+                               double scale, bool causal, bool check,
+                               const std::optional<at::Tensor>& tree_mask) {
   using namespace dflash::ascend;
   auto l = prepare_paged_attention(query, key, value, key_cache, value_cache, block_table,
-                                   context_lens, cu_query_lens, scale, causal, check,
+                                   context_lens, cu_query_lens, scale, causal, check, tree_mask,
                                    vector_cores(), ub_bytes(), device_sum_workspace);
   if (l.block_dim) {
     run_on_stream("dflash::paged_attention", [l](void* stream) {  // the copy keeps them alive
       dflash_paged_attention_launch(
           l.block_dim, stream, l.dtype_code, gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value),
           gm_ptr(l.key_cache), gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
-          gm_ptr(l.cu_query_lens), gm_ptr(l.out), gm_ptr(l.tiling_gm));
+          gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask), gm_ptr(l.out), gm_ptr(l.tiling_gm));
     });
   }
   return l.out;

@@ -55,6 +55,7 @@ class TPWorker(Worker):
 
     defer_context = False   # followers rebuild their requests every call: nothing can wait
     uniform_steps = False   # the ranks take rank 0's drafts and tokens, broadcast by the stages
+    trees = False           # tree steps are not replayed on the followers: TP verifies chains
 
     def __init__(self, tp: TensorParallel, group: Group | None, *worker_args):
         self.tp, self.group = tp, group

@@ -72,6 +72,9 @@ class LLMEngine:
                                    self.block_size, self.max_model_len, self.allocator)
         self.planner = None if self.cost_model is None or self.draft is None or \
             args.speculation == "fixed" else Planner(self.block_size - 1, self.cost_model)
+        # adaptive speculation verifies trees of drafts where the batch allows (greedy)
+        self.trees = self.planner is not None and args.speculation == "adaptive" and \
+            self.worker.trees
         self.stats = Stats(self.block_size)
         self.isolate_errors = isolate_errors
         self.waiting: deque[Request] = deque()
@@ -181,6 +184,15 @@ class LLMEngine:
         running = list(self.running)
         touched += running
         num_drafts = self._plan(running)
+        if self.trees and self.planner is not None and any(num_drafts) and \
+                self.worker.can_tree(running):
+            self._tree_step(running, num_drafts)
+        else:
+            self._chain_step(running, num_drafts)
+        self._retire()
+        self.num_steps += 1
+
+    def _chain_step(self, running: list[Request], num_drafts: list[int]) -> None:
         step_start = time.perf_counter()
         ok, ks, results = self._call(lambda rs, ks: list(zip(*self.worker.step(rs, ks))),
                                      running, num_drafts)
@@ -191,8 +203,21 @@ class LLMEngine:
                 self.planner.observe_time(ks, time.perf_counter() - step_start)
             self.stats.record_step(ok, ks, accepted)
         self._commit_each(ok, [tokens for tokens, _ in results])
-        self._retire()
-        self.num_steps += 1
+
+    def _tree_step(self, running: list[Request], num_drafts: list[int]) -> None:
+        """Sequences the planner lets draft verify trees sized by `Planner.choose_nodes`."""
+        step_start = time.perf_counter()
+        ok, _, results = self._call(
+            lambda rs, ks: list(zip(*self.worker.tree_step(
+                rs, [k > 0 for k in ks], lambda scores: self.planner.choose_nodes(scores,
+                                                                                  len(rs))))),
+            running, num_drafts)
+        if ok:
+            trees, paths = [t for _, t, _ in results], [p for _, _, p in results]
+            self.planner.observe_trees(ok, trees, paths, time.perf_counter() - step_start)
+            self.stats.record_tree_step(ok, [len(t) - 1 for t in trees],
+                                        [len(p) - 1 for p in paths])
+        self._commit_each(ok, [tokens for tokens, _, _ in results])
 
     def _plan(self, running: list[Request]) -> list[int]:
         if self.block_size == 1:
@@ -284,7 +309,9 @@ class LLMEngine:
             **self.stats.summary(),
             "dtype": dtype_name(self.dtype),
             "speculation": "none" if self.block_size == 1 else
-            "adaptive" if self.planner is not None else "fixed",
+            "adaptive" if self.trees else "chain" if self.planner is not None else "fixed",
+            "tree_calibration": None if getattr(self.planner, "calibration", None) is None
+            else self.planner.calibration.as_dict(),
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             # the planner's fit of measured step time to the cost model's decode and
             # speculation parts (tests may plan with a stand-in that has none)

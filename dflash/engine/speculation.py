@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import tree
+
 PRIOR = 0.75            # conditional acceptance assumed before anything is observed
 REQUEST_ALPHA = 0.2     # weight of one observation in a request's own estimate
 ENGINE_ALPHA = 0.02     # ... in the engine-wide estimate
@@ -166,6 +168,7 @@ class Planner:
         self._off_steps = 0
         self._probe = 0
         self.time = TimeCorrection()
+        self.calibration = tree.Calibration()
 
     def plan(self, requests) -> list[int]:
         estimates = [self._estimate(r.request_id) for r in requests]
@@ -195,6 +198,32 @@ class Planner:
         decode, extra, draft = self.cost_model.step_tables(len(num_drafts), self.k_max)
         self.time.observe(decode, float(extra[sum(num_drafts)] + draft[
             sum(k > 0 for k in num_drafts), max(num_drafts, default=0)]), seconds)
+
+    def choose_nodes(self, scores: list[list[float]], sequences: int) -> list[int]:
+        """Tree sizes for the drafting sequences of a step over `sequences` sequences, from
+        their candidates' draft path probabilities (best-first order), calibrated, and the
+        corrected cost of verify rows (`tree.choose_nodes`)."""
+        decode = float(self.cost_model.decode(sequences))
+        draft = float(self.cost_model.draft(len(scores)))
+        a, b = self.time.a, self.time.b
+        return tree.choose_nodes(
+            [self.calibration(s) for s in scores],
+            lambda rows: a * decode + b * (self.cost_model.extra(sequences, rows) + draft),
+            sequences)
+
+    def observe_trees(self, requests, trees, paths, seconds: float) -> None:
+        """Learn from a tree step: the calibration from every verified node, the per-position
+        acceptance as for a chain as deep as the tree, the time correction from its rows."""
+        for t, path in zip(trees, paths):
+            if len(t) > 1:
+                on_path = set(path)
+                self.calibration.observe(t.scores[1:], [n in on_path for n in range(1, len(t))])
+        self.observe(requests, [max(t.depths) for t in trees], [len(p) - 1 for p in paths])
+        n, drafting = len(trees), sum(len(t) > 1 for t in trees)
+        rows = sum(len(t) for t in trees)
+        self.time.observe(float(self.cost_model.decode(n)),
+                          float(self.cost_model.extra(n, rows) + self.cost_model.draft(drafting)),
+                          seconds)
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)

@@ -19,6 +19,9 @@ class Stats:
         self.ttft_count = self.tpot_count = 0
         self.steps = self.draft_skipped = 0
         self.verify_lengths = [0] * block_size   # request-steps that verified k drafts
+        self.tree_steps = 0
+        self.tree_nodes: dict[int, int] = {}     # request-steps of tree steps by nodes verified
+        self.tree_depths: dict[int, int] = {}    # ... by accepted depth
 
     def add(self, m: RequestMetrics) -> None:
         """Count a finished request."""
@@ -49,6 +52,18 @@ class Stats:
             if k > 0:
                 r.metrics.record_step(k, a)
 
+    def record_tree_step(self, running: list[Request], nodes: list[int],
+                         accepted: list[int]) -> None:
+        """Count a tree step in which running[i] verified nodes[i] draft nodes and accepted a
+        path of accepted[i] of them."""
+        self.steps += 1
+        self.tree_steps += 1
+        for r, k, a in zip(running, nodes, accepted):
+            self.tree_nodes[k] = self.tree_nodes.get(k, 0) + 1
+            self.tree_depths[a] = self.tree_depths.get(a, 0) + 1
+            if k > 0:
+                r.metrics.record_step(k, a)
+
     def summary(self) -> dict:
         b = self.block_size
         tau = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
@@ -68,4 +83,8 @@ class Stats:
             "decode_steps": self.steps,
             "draft_skipped_steps": self.draft_skipped,
             "verify_length_histogram": list(self.verify_lengths),
+            "tree_steps": self.tree_steps,
+            # request-steps of tree steps by draft nodes verified, and by accepted depth
+            "tree_node_histogram": dict(sorted(self.tree_nodes.items())),
+            "tree_accepted_depth_histogram": dict(sorted(self.tree_depths.items())),
         }

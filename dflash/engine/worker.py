@@ -21,7 +21,7 @@ sampling emits the one bonus token, i.e. plain autoregressive decoding (the spee
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from ..sampling import noise
 from .cost_model import fastest_each
 from .request import Request
 from .step import decode_step, draft_logits, greedy_drafts
+from .tree import Tree, accept_greedy, best_first
 
 
 @dataclass
@@ -57,11 +58,14 @@ class Verified:
 # the draft-context features a sequence that stopped drafting may hold back: 1213 rows of the
 # bundled pair in bf16, 102 of a Qwen3-8B target's 5 captured layers
 BACKLOG_BYTES = 4 << 20
+MAX_TREE_NODES = 32   # draft nodes a sequence may verify in one tree step
+TREE_TOP_K = 8        # candidate tokens per block position a tree may branch into
 
 
 class Worker:
     defer_context = True   # hold back the draft context of non-drafting sequences (see below)
     uniform_steps = True   # run uniform greedy steps as one decode_step (run_uniform_step)
+    trees = True           # tree steps are available (tree_step)
 
     def __init__(self, target: TargetModel, draft: DFlashDraft | None, num_kv_blocks: int,
                  kv_block_size: int, block_size: int, draft_sampling: str = "greedy"):
@@ -287,6 +291,87 @@ class Worker:
         if self.draft is not None:
             self.write_draft_context(verified, requests)
         return verified.emitted, verified.accepted
+
+    # ------------------------------------------------------------------------------- trees
+    def can_tree(self, requests: list[Request]) -> bool:
+        """Whether a tree step can serve these requests: greedy ones, with greedy drafts from
+        the draft model (sampled requests verify chains)."""
+        return self.trees and self.draft is not None and self.proposer is None and \
+            self.block_size > 1 and self.draft_sampling == "greedy" and \
+            all(r.params.is_greedy for r in requests)
+
+    @torch.inference_mode()
+    def tree_step(self, requests: list[Request], drafting: list[bool], choose
+                  ) -> tuple[list[list[int]], list[Tree], list[list[int]]]:
+        """One greedy decode step verifying a tree of drafts per sequence (docs/design.md 4.6).
+
+        The drafting requests get one draft pass; `choose(scores)` takes, per drafting request,
+        its candidate nodes' draft path probabilities in best-first order and returns how many
+        to verify. One target pass over every tree (rows: root, then nodes; a node attends to
+        its context, its ancestors and itself) gives the target's argmax at every node; each
+        request commits its accepted path and the target's token after it. Returns the emitted
+        tokens, the verified trees and their accepted paths (node indices)."""
+        b = self.block_size
+        trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
+        chosen = [i for i, d in enumerate(drafting) if d]
+        if chosen:
+            reqs = [requests[i] for i in chosen]
+            self._flush_context(reqs)
+            inputs = self.block_inputs(reqs)
+            logits = draft_logits(self.target, self.draft, self.draft_head,
+                                  inputs.tokens.view(len(reqs), b), inputs.meta, self.draft_cache,
+                                  b - 1)
+            probs, ids = torch.softmax(logits.float(), -1).topk(
+                min(TREE_TOP_K, logits.shape[-1]), dim=-1)
+            if self.draft_vocab is not None:
+                ids = self.draft_vocab[ids]
+            probs, ids = probs.tolist(), ids.tolist()   # one host sync: the trees are host lists
+            # a tree's rows take the slots after the sequence's cached tokens: as many as its
+            # reservation has left (at least a block's, section 4.6)
+            room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in reqs]
+            full = [best_first(trees[i].tokens[0], ids[j], probs[j], min(MAX_TREE_NODES, room[j]))
+                    for j, i in enumerate(chosen)]
+            for i, tree, count in zip(chosen, full, choose([t.scores[1:] for t in full])):
+                trees[i] = tree.prefix(count + 1)
+        meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
+                              [len(t) for t in trees], self.kv_block_size, self.device,
+                              self.num_kv_blocks, parents=[t.parents for t in trees])
+        tokens = torch.tensor([tok for t in trees for tok in t.tokens], device=self.device)
+        hidden, features = self.target(tokens, meta, self.target_cache, self.capture)
+        target_ids = sampling.first_argmax(self.target.logits(hidden)).tolist()   # the sync
+        emitted, paths, rows, start = [], [], [], 0
+        for t in trees:
+            path = accept_greedy(t, target_ids[start:start + len(t)])
+            emitted.append([t.tokens[n] for n in path[1:]] + [target_ids[start + path[-1]]])
+            paths.append(path)
+            rows.append([start + n for n in path])
+            start += len(t)
+        self._commit_paths(rows, [[row[0] + d for d in range(len(row))] for row in rows], meta)
+        path_rows = torch.tensor([r for row in rows for r in row], device=self.device)
+        at_depth = torch.tensor([row[0] + d for row in rows for d in range(len(row))],
+                                device=self.device)
+        verified = Verified(emitted, [len(p) - 1 for p in paths], [len(p) - 1 for p in paths],
+                            features[path_rows],
+                            replace(meta, positions=meta.positions[path_rows],
+                                    slot_mapping=meta.slot_mapping[at_depth], tree_mask=None))
+        self.write_draft_context(verified, requests)
+        for r, path in zip(requests, paths):
+            r.num_cached += len(path)
+        return emitted, trees, paths
+
+    def _commit_paths(self, rows: list[list[int]], targets: list[list[int]],
+                      meta: AttentionMetadata) -> None:
+        """Move the target K/V of each accepted node (a verify row) to the slot of its depth:
+        nodes sit in the slots of their index, a path's node at depth d belongs in slot
+        start + d. One gather and one scatter over every layer, on the device."""
+        moves = [(s, d) for src, dst in zip(rows, targets) for s, d in zip(src, dst) if s != d]
+        if not moves:
+            return
+        src = meta.slot_mapping[torch.tensor([s for s, _ in moves], device=self.device)]
+        dst = meta.slot_mapping[torch.tensor([d for _, d in moves], device=self.device)]
+        cache = self.target_cache.view(*self.target_cache.shape[:2], -1,
+                                       *self.target_cache.shape[4:])
+        cache[:, :, dst] = cache[:, :, src]
 
     # -------------------------------------------------------------------------- calibration
     @torch.inference_mode()

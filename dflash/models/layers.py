@@ -31,17 +31,25 @@ class AttentionMetadata:
     # True when build_metadata checked every index against the caches' block count on the host:
     # the ops then skip their own value checks (on an NPU each is a device-to-host copy)
     checked: bool = False
+    # [T, W] uint8 when the new tokens of each sequence form a tree (paged_attention's tree_mask:
+    # a token attends to its context, its ancestors and itself); None: causal
+    tree_mask: torch.Tensor | None = None
 
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],
-                   kv_block_size: int, device=None, num_blocks: int | None = None
-                   ) -> AttentionMetadata:
+                   kv_block_size: int, device=None, num_blocks: int | None = None,
+                   parents: list[list[int]] | None = None) -> AttentionMetadata:
     """Metadata for `lengths[b]` new tokens of sequence b at positions starts[b].., whose logical
     cache block i is physical block block_tables[b][i].
 
     Built and checked on the host from the scheduler's lists, then uploaded in one copy. With
     `num_blocks` (the caches' block count) every block a sequence reads or writes must lie in
-    [0, num_blocks), and the result is marked `checked`."""
+    [0, num_blocks), and the result is marked `checked`.
+
+    With `parents` (per sequence, the parent of each new token among its new tokens, -1 for
+    the root, parents before children) the new tokens form trees: a token's position is start +
+    its depth, its slot still start + its index (siblings need their own), and `tree_mask` says
+    which new tokens each one sees."""
     if not len(block_tables) == len(starts) == len(lengths):
         raise ValueError(f"build_metadata: {len(block_tables)} block tables, {len(starts)} starts "
                          f"and {len(lengths)} lengths; need one of each per sequence")
@@ -70,13 +78,44 @@ def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: li
     seq = np.repeat(np.arange(len(block_tables)), lengths_n)
     positions = np.arange(cu[-1]) - cu[seq] + starts_n[seq]
     slots = table[seq, positions // kv_block_size] * kv_block_size + positions % kv_block_size
-    parts = (positions, slots, table.ravel(), starts_n, cu)
+    parts = [positions, slots, table.ravel(), starts_n, cu]
+    mask_width = 0
+    if parents is not None:
+        depths, mask = _tree_rows(parents, lengths)
+        positions = parts[0] = starts_n[seq] + depths
+        mask_width = mask.shape[1]
+        parts.append(mask.ravel().astype(np.int64))
     flat = torch.from_numpy(np.concatenate(parts)).to(device)   # the one upload
-    positions, slots, table_d, starts_d, cu_d = flat.split([len(p) for p in parts])
+    positions, slots, table_d, starts_d, cu_d, *mask_d = flat.split([len(p) for p in parts])
     return AttentionMetadata(positions=positions, slot_mapping=slots,
                              block_table=table_d.view(table.shape).to(torch.int32),
                              context_lens=starts_d.to(torch.int32),
-                             cu_query_lens=cu_d.to(torch.int32), checked=num_blocks is not None)
+                             cu_query_lens=cu_d.to(torch.int32), checked=num_blocks is not None,
+                             tree_mask=mask_d[0].view(-1, mask_width).to(torch.uint8)
+                             if mask_d else None)
+
+
+def _tree_rows(parents: list[list[int]], lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Depths [T] and tree_mask bits [T, W] (each row: its ancestors and itself)."""
+    if [len(p) for p in parents] != list(lengths):
+        raise ValueError(f"build_metadata: parents of {[len(p) for p in parents]} tokens for "
+                         f"{list(lengths)} new tokens")
+    width = max(1, (max(lengths, default=0) + 7) // 8)
+    total = sum(lengths)
+    depths = np.zeros(total, dtype=np.int64)
+    bits = np.zeros((total, 8 * width), dtype=bool)
+    row = 0
+    for par in parents:
+        for i, p in enumerate(par):
+            if not -1 <= p < i or (p == -1) != (i == 0):
+                raise ValueError(f"build_metadata: token {i} of a tree has parent {p}; a tree's "
+                                 "first token is its root and every parent comes before")
+            if p >= 0:
+                bits[row + i] = bits[row + p]
+                depths[row + i] = depths[row + p] + 1
+            bits[row + i, i] = True
+        row += len(par)
+    return depths, np.packbits(bits, axis=1, bitorder="little")
 
 
 def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> AttentionMetadata:

@@ -62,7 +62,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_query_lens: torch.Tensor, scale: float, causal: bool,
-                    check: bool = True) -> torch.Tensor:
+                    check: bool = True, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every sequence's new tokens over its paged context plus its new tokens.
 
     Args:
@@ -78,6 +78,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         check: True checks cu_query_lens, context_lens and every block the sequences read
             (as context_kv's `check`: on an NPU a device-to-host copy, skipped with False for
             a checked step plan; the CPU kernels always check).
+        tree_mask: None, or [Tq, W] uint8 with causal=True (verifying a tree of drafts): new
+            token i of a sequence sees its context and the new tokens j whose bit is set in its
+            row (bit j % 8 of byte j // 8, least significant first; 8 W >= the longest
+            sequence's new tokens). A row sees itself and only earlier rows of its sequence
+            (its ancestors), a subset of the causal mask; with `check` that is checked.
 
     Returns:
         [Tq, Hq, D] in the query dtype; softmax in float32.
@@ -86,7 +91,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     `npu_fused_infer_attention_score` instead of dflash's kernel (see `dflash.ops.npu_attention`).
     """
     return npu_attention.paged_attention(query, key, value, key_cache, value_cache, block_table,
-                                         context_lens, cu_query_lens, scale, causal, check)
+                                         context_lens, cu_query_lens, scale, causal, check,
+                                         tree_mask)
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -6,6 +6,8 @@ exercised on the same cases.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from . import packing
@@ -93,6 +95,41 @@ def paged_attention_inputs(context_lens=(3, 0, 9), query_lens=(2, 1, 4), hq=4, h
         scale=d**-0.5,
         causal=causal,
     )
+
+
+TREE_SHAPES = ("chain", "star", "deep", "bushy", "random")
+
+
+def tree_parents(n: int, shape: str, seed: int = 0) -> list[int]:
+    """Parents of an n-node tree in topological order (node 0 is the root, parent -1): a chain,
+    a star (every node a child of the root), deep (each node's parent among the last two),
+    bushy (each node's parent among the first few) or random."""
+    rng = random.Random(seed)
+    pick = {"chain": lambda i: i - 1, "star": lambda i: 0,
+            "deep": lambda i: max(0, i - rng.randint(1, 2)),
+            "bushy": lambda i: rng.randint(0, min(i - 1, 3)),
+            "random": lambda i: rng.randint(0, i - 1)}[shape]
+    return ([-1] + [pick(i) for i in range(1, n)])[:n]
+
+
+def tree_mask(parents: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """The tree_mask of paged_attention (docs/design.md 3.2) for sequences whose new tokens form
+    trees given by their parents (-1 for a root): each row sees itself and its ancestors."""
+    longest = max((len(p) for p in parents), default=0)
+    width = width or max(1, (longest + 7) // 8)
+    rows = []
+    for par in parents:
+        for i in range(len(par)):
+            bits = torch.zeros(8 * width, dtype=torch.bool)
+            j = i
+            while j >= 0:
+                bits[j] = True
+                j = par[j]
+            rows.append(bits)
+    if not rows:
+        return torch.zeros(0, width, dtype=torch.uint8)
+    bits = torch.stack(rows).view(-1, width, 8).int()
+    return (bits << torch.arange(8)).sum(-1).to(torch.uint8)
 
 
 def rejection_sample_inputs(bs=4, k=3, v=11, dense=True, greedy_every=2, seed=0,

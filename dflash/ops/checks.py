@@ -123,7 +123,7 @@ def slot_mapping_values(op: str, slot_mapping, cache) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
-                         cu_query_lens, scale, causal) -> None:
+                         cu_query_lens, scale, causal, tree_mask=None) -> None:
     op = "paged_attention"
     check_tensor(op, "query", query, FLOAT_DTYPES, 3)
     dtype, dev = query.dtype, query.device
@@ -141,9 +141,13 @@ def paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
     check_tensor(op, "cu_query_lens", cu_query_lens, torch.int32, 1, (b + 1,), dev)
     require(scale == scale and abs(scale) != float("inf"), op,
             f"scale must be finite, got {number(scale)}")
+    if tree_mask is not None:
+        require(causal, op, "tree_mask needs causal=True (a tree is a subset of the causal mask)")
+        check_tensor(op, "tree_mask", tree_mask, torch.uint8, 2, (tq, None), dev)
 
 
-def paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens) -> None:
+def paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens,
+                           tree_mask=None) -> None:
     op = "paged_attention"
     tq = query.shape[0]
     num_blocks, block_size = key_cache.shape[:2]
@@ -164,6 +168,28 @@ def paged_attention_values(query, key_cache, block_table, context_lens, cu_query
             j = int(bad[0])
             fail(op, f"block_table[{b}, {j}] = {int(used[j])} is out of range for "
                      f"{num_blocks} cache blocks")
+    if tree_mask is not None:
+        tree_mask_values(tree_mask, cu)
+
+
+def tree_mask_values(tree_mask: torch.Tensor, cu: list[int]) -> None:
+    """Row i of a sequence sees itself and only earlier rows of its sequence (docs/design.md
+    3.2): its bits are a subset of the causal mask's, with bit i set."""
+    op = "paged_attention"
+    width = tree_mask.shape[1]
+    longest = max((cu[b + 1] - cu[b] for b in range(len(cu) - 1)), default=0)
+    require(8 * width >= longest, op, f"tree_mask has {width} bytes per row, too few for a "
+                                      f"sequence of {longest} new tokens")
+    bits = ((tree_mask.cpu()[:, :, None].int() >> torch.arange(8)) & 1).flatten(1).bool()
+    for b in range(len(cu) - 1):
+        for i in range(cu[b + 1] - cu[b]):
+            row = bits[cu[b] + i]
+            require(bool(row[i]), op, f"tree_mask row {cu[b] + i} (sequence {b}, new token "
+                                      f"{i}) does not see itself")
+            beyond = row[i + 1:].nonzero()
+            if len(beyond):
+                fail(op, f"tree_mask row {cu[b] + i} (sequence {b}, new token {i}) sees new token "
+                         f"{i + 1 + int(beyond[0])}, which is not before it")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,17 +40,18 @@ def backend() -> str:
 
 
 def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
-                    cu_query_lens, scale: float, causal: bool, check: bool = True
-                    ) -> torch.Tensor:
-    """`dflash.ops.paged_attention`, dispatched to the selected backend for NPU tensors."""
-    if query.device.type == "npu" and backend() == "fused_infer":
+                    cu_query_lens, scale: float, causal: bool, check: bool = True,
+                    tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`dflash.ops.paged_attention`, dispatched to the selected backend for NPU tensors (tree
+    masks always take dflash's kernel: fused_infer's masks are per batch, not per row)."""
+    if query.device.type == "npu" and backend() == "fused_infer" and tree_mask is None:
         import torch_npu
 
         return fused_infer_attention(torch_npu, query, key, value, key_cache, value_cache,
                                      block_table, context_lens, cu_query_lens, scale, causal)
     return torch.ops.dflash.paged_attention(query, key, value, key_cache, value_cache, block_table,
                                             context_lens, cu_query_lens, scale, causal,
-                                            check)
+                                            check, tree_mask)
 
 
 _masks: dict[torch.device, torch.Tensor] = {}

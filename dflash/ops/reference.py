@@ -75,15 +75,20 @@ def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: i
 
 
 def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
-                    cu_query_lens, scale, causal, check: bool = True) -> torch.Tensor:
+                    cu_query_lens, scale, causal, check: bool = True,
+                    tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context plus the new tokens.
 
     Returns [Tq, Hq, D] in the query dtype (docs/design.md 3.2). Every index is checked whatever
     `check` says, as in context_kv.
     """
     checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
-                                context_lens, cu_query_lens, scale, causal)
-    checks.paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens)
+                                context_lens, cu_query_lens, scale, causal, tree_mask)
+    checks.paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens,
+                                  tree_mask)
+    bits = None if tree_mask is None else \
+        ((tree_mask[:, :, None].int() >> torch.arange(8, device=tree_mask.device)) & 1) \
+        .flatten(1).bool().cpu()
     out = torch.empty_like(query)
     group = query.shape[1] // key.shape[1]
     cu = cu_query_lens.tolist()
@@ -99,9 +104,11 @@ def paged_attention(query, key, value, key_cache, value_cache, block_table, cont
         scores = torch.einsum("nhd,shd->hns", q, keys) * scale   # [Hq, n, S]
         if causal:
             n, s = end - start, ctx + end - start
-            # new token i sees the context and new tokens 0..i
+            # new token i sees the context and new tokens 0..i (with a tree: those its bits name)
             visible = torch.arange(s)[None, :] <= ctx + torch.arange(n)[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
+            if bits is not None:
+                visible[:, ctx:] = bits[start:end, :n]
+            scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hns,shd->nhd", probs, values).to(query.dtype)
     return out

@@ -87,9 +87,9 @@ def _context_kv_fake(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, 
 
 @torch.library.register_fake("dflash::paged_attention")
 def _paged_attention_fake(query, key, value, key_cache, value_cache, block_table, context_lens,
-                          cu_query_lens, scale, causal, check=True):
+                          cu_query_lens, scale, causal, check=True, tree_mask=None):
     checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
-                                context_lens, cu_query_lens, scale, causal)
+                                context_lens, cu_query_lens, scale, causal, tree_mask)
     return torch.empty_like(query)
 
 

@@ -71,6 +71,22 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Time from arrival to the end of the request.", E2E_BUCKETS)
         self.num_blocks = num_blocks
+        self.tree_steps = gauge("dflash:spec_decode_tree_steps",
+                                "Decode steps that verified trees of drafts, since start.")
+        self._tree_nodes = Gauge("dflash:spec_decode_tree_request_steps",
+                                 "Request-steps of tree steps, by draft nodes verified.",
+                                 ["model_name", "nodes"], registry=r)
+        self._tree_depths = Gauge("dflash:spec_decode_tree_accepted_depth",
+                                  "Request-steps of tree steps, by accepted path length.",
+                                  ["model_name", "depth"], registry=r)
+
+    def set_trees(self, steps: int, nodes: dict[int, int], depths: dict[int, int]) -> None:
+        """The engine's tree figures (`Stats`): totals since start."""
+        self.tree_steps.set(steps)
+        for k, n in nodes.items():
+            self._tree_nodes.labels(nodes=str(k), **self.label).set(n)
+        for k, n in depths.items():
+            self._tree_depths.labels(depth=str(k), **self.label).set(n)
 
     def finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self.label).inc()

@@ -1,0 +1,132 @@
+"""Draft trees (docs/design.md 4.6): verify the draft's best candidates, not one chain.
+
+One DFlash pass gives a distribution at every block position. A tree holds, under the pending
+token (the root, node 0), the draft nodes of highest path probability: a node at depth d is a
+token of position d, its score the product of the draft probabilities along its path. Children
+of every node are the same ranked tokens of the next position, so best-first expansion visits
+nodes in non-increasing score and any prefix of that order is a tree (prefix-closed). With one
+token per position the tree is today's chain.
+
+How many nodes each sequence verifies is chosen after the draft pass, from the draft's own
+scores calibrated online against acceptance (`Calibration`) and the measured cost of verify rows
+(`choose_nodes`): draft-side information only, so greedy output stays the target's own.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+BINS = 20                 # calibration bins over the draft's path probability
+CALIBRATION_PRIOR = 4.0   # pseudo-observations of a bin's prior (the raw score)
+CALIBRATION_ALPHA = 0.01  # weight of one step in a bin's running counts
+
+
+@dataclass
+class Tree:
+    tokens: list[int]     # node 0: the pending token; nodes 1..: drafts
+    parents: list[int]    # parents[0] = -1; parents[i] < i
+    depths: list[int]     # depths[0] = 0
+    scores: list[float]   # draft path probability of each node (root 1.0)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def prefix(self, size: int) -> Tree:
+        """The first `size` nodes (root included): a tree, since parents come first."""
+        return Tree(self.tokens[:size], self.parents[:size], self.depths[:size],
+                    self.scores[:size])
+
+
+def best_first(root: int, ids: list[list[int]], probs: list[list[float]], size: int) -> Tree:
+    """The tree of the root and the `size` draft nodes of highest path probability.
+
+    ids[d][r], probs[d][r]: the draft's r-th most likely token at depth d + 1 and its
+    probability (non-increasing in r). A popped node offers its first child and its next
+    sibling to the frontier, which therefore always holds the best node not yet taken."""
+    tree = Tree([root], [-1], [0], [1.0])
+    if not ids or size <= 0:
+        return tree
+    frontier = [(-probs[0][0], 0, 0, 0)]   # (-score, parent node, depth index, rank)
+    while frontier and len(tree) <= size:
+        neg, parent, d, r = heapq.heappop(frontier)
+        node, score = len(tree), -neg
+        tree.tokens.append(ids[d][r])
+        tree.parents.append(parent)
+        tree.depths.append(d + 1)
+        tree.scores.append(score)
+        if d + 1 < len(ids):
+            heapq.heappush(frontier, (-score * probs[d + 1][0], node, d + 1, 0))
+        if r + 1 < len(ids[d]):
+            base = tree.scores[parent]
+            heapq.heappush(frontier, (-base * probs[d][r + 1], parent, d, r + 1))
+    return tree
+
+
+def accept_greedy(tree: Tree, target_ids: list[int]) -> list[int]:
+    """The accepted path (node indices from the root): from each node, the child whose token is
+    the target's argmax there, until no child is. The target's token after the path's last node
+    is the bonus (or correction) token."""
+    children: dict[tuple[int, int], int] = {}
+    for node in range(1, len(tree)):
+        children.setdefault((tree.parents[node], tree.tokens[node]), node)
+    path = [0]
+    while (path[-1], target_ids[path[-1]]) in children:
+        path.append(children[(path[-1], target_ids[path[-1]])])
+    return path
+
+
+class Calibration:
+    """P(a node is accepted | its draft path probability), in bins, learned from verified trees
+    (every node of a verified tree is an observation: accepted when it lies on the accepted
+    path). Starts at the draft's own probability."""
+
+    def __init__(self):
+        centers = (np.arange(BINS) + 0.5) / BINS
+        self.accepted = centers * CALIBRATION_PRIOR
+        self.offered = np.full(BINS, CALIBRATION_PRIOR)
+
+    def __call__(self, scores) -> np.ndarray:
+        bins = np.minimum((np.asarray(scores) * BINS).astype(np.int64), BINS - 1)
+        return self.accepted[bins] / self.offered[bins]
+
+    def observe(self, scores: list[float], accepted: list[bool]) -> None:
+        bins = np.minimum((np.asarray(scores) * BINS).astype(np.int64), BINS - 1)
+        self.accepted *= 1 - CALIBRATION_ALPHA
+        self.offered *= 1 - CALIBRATION_ALPHA
+        np.add.at(self.accepted, bins, np.asarray(accepted, dtype=np.float64))
+        np.add.at(self.offered, bins, 1.0)
+
+    def as_dict(self) -> dict[str, list[float]]:
+        return {"bin_upper": [round((i + 1) / BINS, 3) for i in range(BINS)],
+                "acceptance": [round(float(a / o), 4) for a, o in
+                               zip(self.accepted, self.offered)]}
+
+
+def choose_nodes(gains: list[list[float]], step_seconds, sequences: int | None = None
+                 ) -> list[int]:
+    """Nodes per drafting sequence maximising (n + sum of chosen gains) / step_seconds(rows),
+    for a step over n = `sequences` sequences (default len(gains)) verifying n + chosen rows.
+
+    gains[i]: sequence i's candidate nodes' expected acceptance in best-first order (each
+    prefix is a tree). Taking the largest gains across the batch, a prefix of every row, is the
+    best choice for each total; step_seconds is priced for every total at once."""
+    n = len(gains) if sequences is None else sequences
+    # a calibrated gain may exceed its parent's: capping by the ones before keeps every choice a
+    # prefix of each row, hence a tree
+    flat = [(g, i) for i, row in enumerate(gains) for g in np.minimum.accumulate(row)
+            if len(row)]
+    if not flat:
+        return [0] * len(gains)
+    order = sorted(range(len(flat)), key=lambda j: -flat[j][0])   # stable: rows keep their order
+    values = np.array([flat[j][0] for j in order])
+    totals = np.arange(len(values) + 1)
+    rates = (n + np.concatenate([[0.0], np.cumsum(values)])) / \
+        np.asarray(step_seconds(n + totals), dtype=np.float64)
+    best = int(np.argmax(rates))
+    counts = [0] * len(gains)
+    for j in order[:best]:
+        counts[flat[j][1]] += 1
+    return counts

@@ -1,0 +1,181 @@
+"""Draft trees in the engine (docs/design.md 4.6): construction, acceptance, the node chooser,
+and greedy output equal to target-only decoding whatever trees are verified."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dflash import LLM, SamplingParams
+from dflash.engine import tree
+from dflash.engine.cost_model import CostModel
+from dflash.engine.speculation import Planner
+from dflash.engine.worker import MAX_TREE_NODES
+
+from helpers import RandomVerifySchedule, make_tiny_pair
+
+B = 8
+PROMPTS = [[(5 * i + 7 * j) % 90 + 1 for j in range(n)]
+           for i, n in enumerate((5, 12, 3, 9, 17, 7, 4, 11))]
+
+
+def ranked(seed, depths=4, k=3):
+    """Random per-depth candidates: distinct ids, probabilities descending."""
+    rng = random.Random(seed)
+    ids = [rng.sample(range(100), k) for _ in range(depths)]
+    probs = [sorted((rng.random() for _ in range(k)), reverse=True) for _ in range(depths)]
+    return ids, probs
+
+
+def all_paths(ids, probs):
+    """Every node of the full tree: (score, token path)."""
+    out = []
+    for d in range(1, len(ids) + 1):
+        for ranks in itertools.product(range(len(ids[0])), repeat=d):
+            out.append((float(np.prod([probs[i][r] for i, r in enumerate(ranks)])),
+                        tuple(ids[i][r] for i, r in enumerate(ranks))))
+    return out
+
+
+def paths_of(t):
+    def path(n):
+        return () if n == 0 else path(t.parents[n]) + (t.tokens[n],)
+    return [path(n) for n in range(1, len(t))]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("size", [1, 4, 13, 40])
+def test_best_first_takes_the_highest_scoring_nodes_and_stays_a_tree(seed, size):
+    ids, probs = ranked(seed)
+    t = tree.best_first(7, ids, probs, size)
+    assert len(t) == size + 1 and t.tokens[0] == 7 and t.parents[0] == -1
+    assert all(0 <= p < i for i, p in enumerate(t.parents) if i)      # parents come first
+    assert all(t.depths[i] == t.depths[t.parents[i]] + 1 for i in range(1, len(t)))
+    assert t.scores[1:] == sorted(t.scores[1:], reverse=True)       # best-first order
+    best = sorted(all_paths(ids, probs), reverse=True)
+    assert sorted(t.scores[1:], reverse=True) == pytest.approx([s for s, _ in best[:size]])
+    assert set(paths_of(t)) <= {p for _, p in all_paths(ids, probs)}
+    assert len(set(paths_of(t))) == size                            # no node twice
+
+
+def test_one_candidate_per_depth_is_the_chain():
+    ids, probs = [[5], [6], [7]], [[0.9], [0.5], [0.4]]
+    t = tree.best_first(1, ids, probs, 10)
+    assert t.tokens == [1, 5, 6, 7] and t.parents == [-1, 0, 1, 2]
+
+
+def test_greedy_acceptance_follows_the_target_s_argmax():
+    # root -> a(1) -> c(3); root -> b(2) -> d(4)
+    t = tree.Tree([0, 10, 20, 11, 21], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], [1, .5, .4, .3, .2])
+    assert tree.accept_greedy(t, [20, 99, 21, 99, 99]) == [0, 2, 4]
+    assert tree.accept_greedy(t, [10, 11, 0, 5, 0]) == [0, 1, 3]
+    assert tree.accept_greedy(t, [30, 0, 0, 0, 0]) == [0]
+
+
+def test_the_chooser_is_the_brute_force_optimum():
+    rng = random.Random(0)
+    for _ in range(30):
+        gains = [sorted((rng.random() for _ in range(rng.randint(0, 4))), reverse=True)
+                 for _ in range(rng.randint(1, 3))]
+        a, b = rng.random(), rng.random() * 0.3
+        cost = lambda rows, a=a, b=b: a + b * np.asarray(rows)  # noqa: E731
+        counts = tree.choose_nodes(gains, cost)
+        n = len(gains)
+        best = max((n + sum(sum(g[:c]) for g, c in zip(gains, cs))) / cost(n + sum(cs))
+                   for cs in itertools.product(*[range(len(g) + 1) for g in gains]))
+        got = (n + sum(sum(g[:c]) for g, c in zip(gains, counts))) / cost(n + sum(counts))
+        assert got == pytest.approx(best)
+
+
+def test_flat_costs_grow_trees_and_steep_ones_take_none():
+    gains = [[0.9, 0.6, 0.5, 0.3, 0.2, 0.1]]
+    assert tree.choose_nodes(gains, lambda rows: np.ones(np.shape(rows))) == [6]
+    assert tree.choose_nodes(gains, lambda rows: np.asarray(rows, dtype=float)) == [0]
+
+
+def test_calibration_learns_acceptance_by_score():
+    cal = tree.Calibration()
+    assert cal([0.95])[0] == pytest.approx(0.975)   # starts at the draft's own probability
+    for _ in range(500):
+        cal.observe([0.95, 0.05], [False, True])      # an overconfident draft
+    assert cal([0.95])[0] < 0.1 and cal([0.05])[0] > 0.9
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("trees"), B)[:2]
+
+
+def target_only(models, dtype):
+    baseline = LLM(models[0], dtype=dtype, max_num_seqs=8)
+    params = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
+    return [o.token_ids for o in baseline.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    return target_only(models, "float32")
+
+
+@pytest.mark.parametrize("max_num_seqs, dtype", [(1, "float32"), (3, "float32"), (8, "float32"),
+                                                 (8, "bfloat16")])
+def test_any_trees_give_target_only_greedy_output(models, expected, max_num_seqs, dtype):
+    """float32, and bfloat16 too: every row of a verify pass is computed as in decoding."""
+    if dtype != "float32":
+        expected = target_only(models, dtype)
+    llm = LLM(*models, dtype=dtype, max_num_seqs=max_num_seqs)
+    schedule = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
+    llm.engine.planner = schedule
+    params = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)   # mixed lengths: requests join and leave
+    assert [o.token_ids for o in outs] == expected
+    sizes = [c for step in schedule.trees for c in step]
+    assert max(sizes) > B - 1 and 0 in sizes   # trees larger than a block, and empty ones
+    m = llm.metrics()
+    assert m["tree_steps"] > 0 and max(m["tree_node_histogram"]) > B - 1
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_the_cache_after_tree_steps_equals_one_token_decoding(models):
+    """Only the accepted paths' K/V remain, at the positions target-only decoding gives them."""
+    llm = LLM(*models, dtype="float32", max_num_seqs=1)
+    llm.engine.planner = RandomVerifySchedule(5, k_max=B - 1)
+    baseline = LLM(models[0], dtype="float32", max_num_seqs=1)
+    caches = []
+    for engine in (llm.engine, baseline.engine):
+        engine.add_request(PROMPTS[4], SamplingParams(max_tokens=40, ignore_eos=True))
+        while engine.running == [] or len(engine.running[0].output_ids) < 30:
+            engine.step()
+        r = engine.running[0]
+        slots = torch.tensor([r.block_table[p // 16] * 16 + p % 16 for p in range(r.num_cached)])
+        cache = engine.worker.target_cache
+        caches.append((r.tokens[:r.num_cached],
+                       cache.view(*cache.shape[:2], -1, *cache.shape[4:])[:, :, slots]))
+        engine.abort(r.request_id)
+        engine.step()
+    (tokens, tree_kv), (base_tokens, base_kv) = caches
+    n = min(len(tokens), len(base_tokens))
+    assert tokens[:n] == base_tokens[:n] and n >= 28
+    torch.testing.assert_close(tree_kv[:, :, :n], base_kv[:, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_the_planner_grows_trees_where_rows_are_free_and_chain_mode_does_not(models, expected):
+    """The real planner (node chooser, calibration, time fit) on a host where verify rows cost
+    nothing: large trees, and still the target's own tokens."""
+    llm = LLM(*models, dtype="float32", max_num_seqs=2)
+    flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
+    llm.engine.planner = Planner(B - 1, flat)
+    params = [SamplingParams(max_tokens=10 + 5 * i) for i in range(4)]
+    outs = llm.generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in outs] == expected[:4]
+    m = llm.metrics()
+    assert m["speculation"] == "adaptive" and m["tree_steps"] > 0
+    assert max(m["tree_node_histogram"]) == MAX_TREE_NODES
+    assert m["tree_calibration"]["acceptance"] != tree.Calibration().as_dict()["acceptance"]
+    chain = LLM(*models, dtype="float32", max_num_seqs=2, speculation="chain")
+    chain.engine.planner = Planner(B - 1, flat)
+    outs = chain.generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in outs] == expected[:4]
+    assert chain.metrics()["tree_steps"] == 0 and chain.metrics()["speculation"] == "chain"
