@@ -246,6 +246,8 @@ __aicore__ inline void RunContextKv(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR p
   extern "C" __global__ __aicore__ void NAME(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions, \
                                              GM_ADDR cos_sin, GM_ADDR slot_mapping,                \
                                              GM_ADDR cache_table, GM_ADDR tiling) {                \
+    KERNEL_TASK_TYPE_DEFAULT(                                                                      \
+        KERNEL_TYPE_AIV_ONLY); /* several kernels here: CANN cannot infer it */                    \
     RunContextKv<TYPE>(kv, k_norm_weight, positions, cos_sin, slot_mapping, cache_table, tiling);  \
   }
 DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_fp32, float)

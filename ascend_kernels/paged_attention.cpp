@@ -343,6 +343,8 @@ __aicore__ inline void RunPagedAttention(GM_ADDR query, GM_ADDR key, GM_ADDR val
       GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache, GM_ADDR value_cache,          \
       GM_ADDR block_table, GM_ADDR context_lens, GM_ADDR cu_query_lens, GM_ADDR tree_mask,        \
       GM_ADDR out, GM_ADDR tiling) {                                                              \
+    KERNEL_TASK_TYPE_DEFAULT(                                                                     \
+        KERNEL_TYPE_AIV_ONLY); /* several kernels here: CANN cannot infer it */                   \
     RunPagedAttention<TYPE>(query, key, value, key_cache, value_cache, block_table, context_lens, \
                             cu_query_lens, tree_mask, out, tiling);                               \
   }

@@ -253,6 +253,7 @@ class RejectionSampler {
 extern "C" __global__ __aicore__ void dflash_rejection_sample(
     GM_ADDR draft_ids, GM_ADDR draft_probs, GM_ADDR target_probs, GM_ADDR is_greedy,
     GM_ADDR uniform, GM_ADDR exponential, GM_ADDR out_ids, GM_ADDR num_accepted, GM_ADDR tiling) {
+  KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);  // vector only: one block a vector core
   RejectionSampler sampler;
   sampler.Init(draft_ids, draft_probs, target_probs, is_greedy, uniform, exponential, out_ids,
                num_accepted, tiling);

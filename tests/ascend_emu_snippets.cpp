@@ -796,6 +796,27 @@ void BlockWrites(GM_ADDR o, uint32_t slot) {  // out[8 slot : 8 slot + 8] = (idx
 void block_race_bad(GM_ADDR, GM_ADDR o) {
   BlockWrites(o, 0);
 }
+
+// ---- kernel-type: a kernel declares its task type; a MIX type launches two vector blocks per
+// block, so work split by GetBlockIdx() / GetBlockNum() runs twice
+void GridStrideWrites(GM_ADDR o) {  // slots 0..15 over the blocks, each once with AIV indexing
+  for (uint32_t slot = GetBlockIdx(); slot < 16; slot += GetBlockNum()) {
+    BlockWrites(o, slot);
+    SetFlag<HardEvent::MTE3_V>(0);  // the next slot's Duplicate reuses the UB the copy reads
+    WaitFlag<HardEvent::MTE3_V>(0);
+  }
+}
+void kernel_type_undeclared_bad(GM_ADDR, GM_ADDR o) {
+  GridStrideWrites(o);
+}
+void kernel_type_mix_bad(GM_ADDR, GM_ADDR o) {
+  KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
+  GridStrideWrites(o);
+}
+void kernel_type_aiv_ok(GM_ADDR, GM_ADDR o) {
+  KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);
+  GridStrideWrites(o);
+}
 void block_race_ok(GM_ADDR, GM_ADDR o) {
   BlockWrites(o, GetBlockIdx());
 }
@@ -865,6 +886,9 @@ const Entry kSnippets[] = {
     SNIPPET(dma_position_bad, 1),
     SNIPPET(reduce_sum_tree_ok, 1),
     SNIPPET(block_race_bad, 4),
+    SNIPPET(kernel_type_undeclared_bad, 4),
+    SNIPPET(kernel_type_mix_bad, 4),
+    SNIPPET(kernel_type_aiv_ok, 4),
     SNIPPET(block_race_ok, 16),
 };
 #undef SNIPPET

@@ -61,6 +61,8 @@ def run(name, inp=None):
     ("select-reserved", "select_reserved_bad",
      "stores its scalar in the UB from byte 188416 .* reach byte 188448"),
     ("dma-position", "dma_position_bad", "DataCopyPad GM->UB on a VECCALC buffer"),
+    ("kernel-type", "kernel_type_undeclared_bad", "declares no task type"),
+    ("block-race", "kernel_type_mix_bad", "both write the same GM bytes"),
 ])
 def test_violation_is_caught(rule, snippet, message):
     with pytest.raises(RuntimeError, match=rf"ascend-emu \[{rule}\] .*{message}"):
@@ -220,3 +222,13 @@ def test_blocks_run_once_each_in_shuffled_order():
         assert (slots[:, 1:] == 16).all()                     # GetBlockNum
     assert any(o != list(range(16)) for o in orders)
     assert len({tuple(o) for o in orders}) > 1  # a fresh shuffle every launch
+
+
+def test_a_vector_kernel_splits_its_work_once_over_its_blocks():
+    """The twin of kernel_type_mix_bad: declared vector-only, the same grid-stride kernel writes
+    each of the 16 slots once, from block slot % 4 of 4."""
+    _, out, order = run("kernel_type_aiv_ok")
+    assert sorted(order) == [0, 1, 2, 3]
+    slots = out[:128].view(16, 8)
+    assert slots[:, 0].tolist() == [float(s % 4) for s in range(16)]
+    assert (slots[:, 1:] == 4.0).all()

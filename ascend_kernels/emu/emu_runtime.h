@@ -174,7 +174,16 @@ struct Launch {
   std::vector<GmArg> regions;
   std::vector<GmWrite> writes;
   std::vector<uint32_t> order;
+  bool mix = false;  // launched as a MIX kernel: twice the vector blocks, GetBlockNum unchanged
 };
+
+// What KERNEL_TASK_TYPE_DEFAULT declares. A file with several kernels must declare it: CANN cannot
+// infer it there, and a MIX guess (two vector cores per cube core) makes GetBlockIdx() span twice
+// GetBlockNum(), so a kernel that splits its work by them runs items twice or skips them.
+enum class KernelType { kUndeclared, kAivOnly, kMix };
+
+// Thrown by a block's first declaration of a MIX type: the launch restarts with MIX indexing.
+struct MixLaunch {};
 
 // One block (one AI Vector core running the kernel once): fresh UB, hazards and flags.
 class Block {
@@ -186,6 +195,11 @@ class Block {
 
   uint32_t idx() const { return idx_; }
   uint32_t num() const { return num_; }
+
+  void declare(KernelType type) {
+    if (type == KernelType::kMix && !launch_.mix) throw MixLaunch{};
+    type_ = type;
+  }
   uint8_t* ub(uint32_t offset) const { return ub_.get() + offset; }
   Hazards& hazards() { return hazards_; }
 
@@ -291,6 +305,10 @@ class Block {
   }
 
   void finish() {
+    if (type_ == KernelType::kUndeclared)
+      fail("kernel-type", "block ", idx_,
+           " ran a kernel that declares no task type "
+           "(KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY) for a vector kernel)");
     for (const auto& [src, dst, id] : deferred_) {
       wait_flag(src, dst, id, event_name(src, dst), "the pipe's end (a queue's FreeTensor flag)");
       pools_[{src, dst}][id] = nullptr;
@@ -327,6 +345,7 @@ class Block {
   std::map<std::tuple<int, int, int>, std::pair<bool, Clock>> events_;
   std::map<std::pair<int, int>, std::array<const char*, kEventIds>> pools_;
   std::vector<std::tuple<int, int, int>> deferred_;
+  KernelType type_ = KernelType::kUndeclared;
 };
 
 inline Block*& current_block() {
@@ -357,21 +376,30 @@ inline uint64_t next_seed() {
 inline void launch(uint32_t block_dim, std::vector<GmArg> gm, const std::function<void()>& kernel) {
   if (block_dim == 0) fail("launch", "blockDim must be at least 1");
   Launch state{std::move(gm), {}, {}};
-  state.order.resize(block_dim);
-  for (uint32_t i = 0; i < block_dim; ++i) state.order[i] = i;
   std::mt19937_64 rng(next_seed());
-  std::shuffle(state.order.begin(), state.order.end(), rng);
-  for (uint32_t idx : state.order) {
-    Block b(state, idx, block_dim);
-    current_block() = &b;
+  for (bool done = false; !done;) {
+    // a MIX kernel runs two vector blocks per requested block (see KernelType)
+    const uint32_t blocks = state.mix ? 2 * block_dim : block_dim;
+    state.order.resize(blocks);
+    for (uint32_t i = 0; i < blocks; ++i) state.order[i] = i;
+    std::shuffle(state.order.begin(), state.order.end(), rng);
+    state.writes.clear();
     try {
-      kernel();
-      b.finish();
+      for (uint32_t idx : state.order) {
+        Block b(state, idx, block_dim);
+        current_block() = &b;
+        kernel();
+        b.finish();
+        current_block() = nullptr;
+      }
+      done = true;
+    } catch (const MixLaunch&) {  // declared first thing, before any work
+      current_block() = nullptr;
+      state.mix = true;
     } catch (...) {
       current_block() = nullptr;
       throw;
     }
-    current_block() = nullptr;
   }
   last_order() = state.order;
   auto& w = state.writes;

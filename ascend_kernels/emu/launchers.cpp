@@ -4,7 +4,7 @@
 // launch differs: dflash::emu::launch runs the blocks one after another in a shuffled order.
 #include <torch/library.h>
 
-#include "emu_runtime.h"
+#include "kernel_operator.h"
 #include "npu/ascend_host.h"
 
 extern "C" {
@@ -172,8 +172,12 @@ std::vector<int64_t> run_snippet(const std::string& name, const at::Tensor& inpu
   TORCH_CHECK_VALUE(find_snippet(name, blocks, kernel), "unknown snippet ", name);
   TORCH_CHECK_VALUE(input.is_contiguous() && output.is_contiguous(),
                     "snippet buffers must be contiguous");
-  dflash::emu::launch(blocks, {gm(input, false, "input"), gm(output, true, "output")},
-                      [&] { kernel(gm_ptr(input), gm_ptr(output)); });
+  // snippets are fragments of kernels: vector-only unless they test the declaration itself
+  const bool declares = name.rfind("kernel_type_", 0) == 0;
+  dflash::emu::launch(blocks, {gm(input, false, "input"), gm(output, true, "output")}, [&] {
+    if (!declares) KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);
+    kernel(gm_ptr(input), gm_ptr(output));
+  });
   const auto& order = dflash::emu::last_order();
   return {order.begin(), order.end()};
 }
