@@ -26,8 +26,9 @@ class ContextKvEpilogue {
 
  public:
   __aicore__ inline void Init(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions, GM_ADDR cos_sin,
-                              GM_ADDR slot_mapping, GM_ADDR cache_table, GM_ADDR tiling) {
-    dflash::ascend::kernel::LoadTiling(t_, tiling);
+                              GM_ADDR slot_mapping, GM_ADDR cache_table,
+                              const ContextKvTiling& tiling) {
+    t_ = tiling;
     half_ = t_.head_dim / 2;
     headLanes_ = 2 * t_.half_pad;
     lanes_ = t_.kv_heads * headLanes_;
@@ -234,7 +235,7 @@ class ContextKvEpilogue {
 template <typename T>
 __aicore__ inline void RunContextKv(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions,
                                     GM_ADDR cos_sin, GM_ADDR slot_mapping, GM_ADDR cache_table,
-                                    GM_ADDR tiling) {
+                                    ContextKvTiling tiling) {
   ContextKvEpilogue<T> op;
   op.Init(kv, k_norm_weight, positions, cos_sin, slot_mapping, cache_table, tiling);
   op.Process();
@@ -245,7 +246,7 @@ __aicore__ inline void RunContextKv(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR p
 #define DFLASH_CONTEXT_KV_KERNEL(NAME, TYPE)                                                       \
   extern "C" __global__ __aicore__ void NAME(GM_ADDR kv, GM_ADDR k_norm_weight, GM_ADDR positions, \
                                              GM_ADDR cos_sin, GM_ADDR slot_mapping,                \
-                                             GM_ADDR cache_table, GM_ADDR tiling) {                \
+                                             GM_ADDR cache_table, ContextKvTiling tiling) {        \
     KERNEL_TASK_TYPE_DEFAULT(                                                                      \
         KERNEL_TYPE_AIV_ONLY); /* several kernels here: CANN cannot infer it */                    \
     RunContextKv<TYPE>(kv, k_norm_weight, positions, cos_sin, slot_mapping, cache_table, tiling);  \
@@ -261,7 +262,7 @@ DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_bf16, bfloat16_t)
 extern "C" void dflash_context_kv_launch(uint32_t block_dim, void* stream, int dtype, uint8_t* kv,
                                          uint8_t* k_norm_weight, uint8_t* positions,
                                          uint8_t* cos_sin, uint8_t* slot_mapping,
-                                         uint8_t* cache_table, uint8_t* tiling) {
+                                         uint8_t* cache_table, ContextKvTiling tiling) {
   switch (dtype) {
     case 0:
       dflash_context_kv_fp32<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin,

@@ -59,14 +59,6 @@ __aicore__ inline uint32_t Min(uint32_t a, uint32_t b) {
   return a < b ? a : b;
 }
 
-// Tiling structs hold 32-bit words only; scalar loads copy them out of GM.
-template <typename T>
-__aicore__ inline void LoadTiling(T& tiling, GM_ADDR src) {
-  auto* words = reinterpret_cast<uint32_t*>(&tiling);
-  auto* gm = reinterpret_cast<__gm__ uint32_t*>(src);
-  for (uint32_t i = 0; i < sizeof(T) / sizeof(uint32_t); ++i) words[i] = gm[i];
-}
-
 // GM -> UB of `count` contiguous elements: DataCopy when it is whole 32-byte blocks, else
 // DataCopyPad (a DataCopy would drop the tail).
 template <typename T>

@@ -48,8 +48,8 @@ class PagedAttention {
   __aicore__ inline void Init(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache,
                               GM_ADDR value_cache, GM_ADDR block_table, GM_ADDR context_lens,
                               GM_ADDR cu_query_lens, GM_ADDR tree_mask, GM_ADDR out,
-                              GM_ADDR tiling) {
-    dflash::ascend::kernel::LoadTiling(t_, tiling);
+                              const PagedAttentionTiling& tiling) {
+    t_ = tiling;
     pad_ = t_.head_pad;
     rowStride_ = t_.kv_heads * t_.head_dim;
     query_.SetGlobalBuffer((__gm__ T*)query);
@@ -329,7 +329,7 @@ __aicore__ inline void RunPagedAttention(GM_ADDR query, GM_ADDR key, GM_ADDR val
                                          GM_ADDR key_cache, GM_ADDR value_cache,
                                          GM_ADDR block_table, GM_ADDR context_lens,
                                          GM_ADDR cu_query_lens, GM_ADDR tree_mask, GM_ADDR out,
-                                         GM_ADDR tiling) {
+                                         PagedAttentionTiling tiling) {
   PagedAttention<T> op;
   op.Init(query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
           tree_mask, out, tiling);
@@ -342,7 +342,7 @@ __aicore__ inline void RunPagedAttention(GM_ADDR query, GM_ADDR key, GM_ADDR val
   extern "C" __global__ __aicore__ void NAME(                                                     \
       GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR key_cache, GM_ADDR value_cache,          \
       GM_ADDR block_table, GM_ADDR context_lens, GM_ADDR cu_query_lens, GM_ADDR tree_mask,        \
-      GM_ADDR out, GM_ADDR tiling) {                                                              \
+      GM_ADDR out, PagedAttentionTiling tiling) {                                                 \
     KERNEL_TASK_TYPE_DEFAULT(                                                                     \
         KERNEL_TYPE_AIV_ONLY); /* several kernels here: CANN cannot infer it */                   \
     RunPagedAttention<TYPE>(query, key, value, key_cache, value_cache, block_table, context_lens, \
@@ -361,7 +361,7 @@ extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, 
                                               uint8_t* key_cache, uint8_t* value_cache,
                                               uint8_t* block_table, uint8_t* context_lens,
                                               uint8_t* cu_query_lens, uint8_t* tree_mask,
-                                              uint8_t* out, uint8_t* tiling) {
+                                              uint8_t* out, PagedAttentionTiling tiling) {
   switch (dtype) {
     case 0:
       dflash_paged_attention_fp32<<<block_dim, nullptr, stream>>>(

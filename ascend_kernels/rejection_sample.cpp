@@ -33,8 +33,9 @@ class RejectionSampler {
  public:
   __aicore__ inline void Init(GM_ADDR draft_ids, GM_ADDR draft_probs, GM_ADDR target_probs,
                               GM_ADDR is_greedy, GM_ADDR uniform, GM_ADDR exponential,
-                              GM_ADDR out_ids, GM_ADDR num_accepted, GM_ADDR tiling) {
-    dflash::ascend::kernel::LoadTiling(t_, tiling);
+                              GM_ADDR out_ids, GM_ADDR num_accepted,
+                              const RejectionSampleTiling& tiling) {
+    t_ = tiling;
     draftIds_.SetGlobalBuffer((__gm__ int64_t*)draft_ids);
     targetProbs_.SetGlobalBuffer((__gm__ float*)target_probs);
     if (t_.dense) draftProbs_.SetGlobalBuffer((__gm__ float*)draft_probs);
@@ -252,7 +253,8 @@ class RejectionSampler {
 
 extern "C" __global__ __aicore__ void dflash_rejection_sample(
     GM_ADDR draft_ids, GM_ADDR draft_probs, GM_ADDR target_probs, GM_ADDR is_greedy,
-    GM_ADDR uniform, GM_ADDR exponential, GM_ADDR out_ids, GM_ADDR num_accepted, GM_ADDR tiling) {
+    GM_ADDR uniform, GM_ADDR exponential, GM_ADDR out_ids, GM_ADDR num_accepted,
+    RejectionSampleTiling tiling) {
   KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);  // vector only: one block a vector core
   RejectionSampler sampler;
   sampler.Init(draft_ids, draft_probs, target_probs, is_greedy, uniform, exponential, out_ids,
@@ -266,7 +268,8 @@ extern "C" void dflash_rejection_sample_launch(uint32_t block_dim, void* stream,
                                                uint8_t* draft_probs, uint8_t* target_probs,
                                                uint8_t* is_greedy, uint8_t* uniform,
                                                uint8_t* exponential, uint8_t* out_ids,
-                                               uint8_t* num_accepted, uint8_t* tiling) {
+                                               uint8_t* num_accepted,
+                                               RejectionSampleTiling tiling) {
   dflash_rejection_sample<<<block_dim, nullptr, stream>>>(draft_ids, draft_probs, target_probs,
                                                           is_greedy, uniform, exponential, out_ids,
                                                           num_accepted, tiling);

@@ -1,5 +1,5 @@
-// Tiling structs: computed on the host (tiling.h), copied to GM, read by the kernels.
-// Only 32-bit fields, so a kernel can copy them word by word from GM.
+// Tiling structs: computed on the host (tiling.h) and passed to the kernels by value, as kernel
+// arguments (the launch packs them with the other arguments: no copy to GM before a launch).
 #pragma once
 
 struct RejectionSampleTiling {

@@ -69,9 +69,9 @@ def test_rejection_sample_copies_to_the_host_only_to_check(emu, dense, checked_c
     # to the host (each a wait on an NPU); check=False launches with none.
     args = rejection_sample_inputs(bs=4, k=3, v=500, dense=dense, seed=1)
     for check, copies in ((True, checked_copies), (False, 0)):
-        before = emu.host_copies()
+        before = emu.transfers()
         assert_same_tokens(emu, args, check=check)
-        assert emu.host_copies() - before == copies
+        assert emu.transfers() - before == copies
 
 
 def test_rejection_sample_ties_pick_the_first_index_across_tiles(emu):
@@ -184,15 +184,38 @@ def test_context_kv_rejects_caches_without_contiguous_rows(emu):
 
 def test_only_a_checked_context_kv_copies_positions_and_slots_to_the_host(emu):
     # Both are checked on the host in a checked call; check=False reads nothing back and
-    # writes the same caches.
+    # writes the same caches. A new set of caches uploads its address table once.
     args = context_kv_inputs()
-    before = emu.host_copies()
+    before = emu.transfers()
     check_context_kv(emu, args)
-    assert emu.host_copies() - before == 2
+    assert emu.transfers() - before == 3          # positions, slots; the caches' table
     fresh = context_kv_inputs()   # the same inputs, caches still all NaN
     unchecked = {**args, "key_caches": fresh["key_caches"], "value_caches": fresh["value_caches"]}
     emu.context_kv(**unchecked, check=False)
-    assert emu.host_copies() - before == 2
+    assert emu.transfers() - before == 4          # the new caches' table
+    emu.context_kv(**unchecked, check=False)
+    assert emu.transfers() - before == 4          # nothing at all
     for got, want in zip(unchecked["key_caches"] + unchecked["value_caches"],
                          args["key_caches"] + args["value_caches"]):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_unchecked_launches_make_no_transfer_and_capture_refuses_one(emu):
+    """Graph capture's contract: a launch with check=False on known caches copies nothing in
+    either direction (tilings travel as kernel arguments); while capturing, a copy raises."""
+    kv = context_kv_inputs()
+    emu.context_kv(**kv, check=False)                       # uploads the caches' table
+    rs = rejection_sample_inputs(bs=3, k=4, v=50)
+    before = emu.transfers()
+    emu.set_capturing(True)
+    try:
+        emu.context_kv(**kv, check=False)
+        emu.rejection_sample(**rs, check=False)
+        with pytest.raises(RuntimeError, match="device-to-host copy while capturing"):
+            emu.rejection_sample(**rs)
+        fresh = context_kv_inputs(seed=1)
+        with pytest.raises(RuntimeError, match="host-to-device copy while capturing"):
+            emu.context_kv(**fresh, check=False)
+    finally:
+        emu.set_capturing(False)
+    assert emu.transfers() == before

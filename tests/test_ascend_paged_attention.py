@@ -153,11 +153,11 @@ def test_only_a_checked_call_copies_its_index_tensors_to_the_host(emu, query_len
     # without the checks the launch reads nothing: the kernel lists its own work items and the
     # tiling depends on shapes only, so both calls compute the same, bit for bit.
     args = matrix_case(64, 2, 16, query_len, True, torch.float32)
-    before = emu.host_copies()
+    before = emu.transfers()
     check(emu, args)
-    assert emu.host_copies() - before == 3
+    assert emu.transfers() - before == 3
     checked = emu.paged_attention(**args)
-    before = emu.host_copies()
+    before = emu.transfers()
     unchecked = emu.paged_attention(**args, check=False)
-    assert emu.host_copies() == before
+    assert emu.transfers() == before
     assert torch.equal(unchecked, checked)

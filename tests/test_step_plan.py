@@ -3,7 +3,7 @@ host, and every layer's ops then skip their value checks, which on an NPU are de
 copies.
 
 The NPU side runs here through the emulated Ascend launchers (tests/ascend_emu.py), which count
-every device-to-host copy the shared host code makes (`host_copies`)."""
+every device-to-host copy the shared host code makes (`transfers`)."""
 
 import pytest
 import torch
@@ -51,7 +51,7 @@ def models(tmp_path_factory):
 
 class Emulated:
     """The ops as an NPU build serves them: the three fused ops by the emulated Ascend launchers,
-    qkv_rope_cache by the PyTorch reference (it has no NPU kernel). `host_copies()` counts the
+    qkv_rope_cache by the PyTorch reference (it has no NPU kernel). `transfers()` counts the
     launchers' device-to-host copies and the reference's slot checks (one copy each on a
     device)."""
 
@@ -67,8 +67,8 @@ class Emulated:
             return check(*args)
         monkeypatch.setattr(checks, "slot_mapping_values", counted)
 
-    def host_copies(self):
-        return self.emu.host_copies() + self.slot_checks
+    def transfers(self):
+        return self.emu.transfers() + self.slot_checks
 
 
 @pytest.fixture
@@ -94,17 +94,17 @@ def _decode(llm, emu, plan_checked=True):
     outputs, copies = {}, []
     first = True
     while engine.has_unfinished():
-        before = emu.host_copies()
+        before = emu.transfers()
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.output.token_ids
         if not first:
-            copies.append(emu.host_copies() - before)
+            copies.append(emu.transfers() - before)
         first = False
     return [outputs[i] for i in ids], copies
 
 
-def test_decode_steps_make_no_host_copies(models, emulated_npu):
+def test_decode_steps_make_no_transfers(models, emulated_npu):
     llm = LLM(*models, dtype="float32", max_num_seqs=B, speculation="fixed",
               tokenizer=CharTokenizer())
     outputs, copies = _decode(llm, emulated_npu)

@@ -132,12 +132,12 @@ def test_the_ascend_kernel_matches_the_reference(emu, case, dtype):
 def test_the_ascend_kernel_reads_masks_only_on_request(emu):
     args, parents = tree_case((5, 9), (12, 7), ("random", "bushy"))
     mask = tree_mask(parents)
-    before = emu.host_copies()
+    before = emu.transfers()
     checked = emu.paged_attention(**args, tree_mask=mask)
-    assert emu.host_copies() - before == 4          # table, lengths, offsets and the mask
-    before = emu.host_copies()
+    assert emu.transfers() - before == 4          # table, lengths, offsets and the mask
+    before = emu.transfers()
     assert torch.equal(emu.paged_attention(**args, tree_mask=mask, check=False), checked)
-    assert emu.host_copies() == before
+    assert emu.transfers() == before
 
 
 def _bad_masks():

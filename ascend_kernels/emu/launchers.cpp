@@ -9,13 +9,16 @@
 
 extern "C" {
 void dflash_rejection_sample(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
-                             uint8_t*, uint8_t*);
-void dflash_context_kv_fp32(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
-void dflash_context_kv_fp16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
-void dflash_context_kv_bf16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*);
+                             uint8_t*, RejectionSampleTiling);
+void dflash_context_kv_fp32(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
+                            ContextKvTiling);
+void dflash_context_kv_fp16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
+                            ContextKvTiling);
+void dflash_context_kv_bf16(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
+                            ContextKvTiling);
 #define DFLASH_PAGED_ATTENTION_KERNEL(NAME)                                                 \
   void NAME(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, \
-            uint8_t*, uint8_t*, uint8_t*);
+            uint8_t*, uint8_t*, PagedAttentionTiling);
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_bf16)
@@ -65,12 +68,12 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_toke
       gm(l.draft_ids, false, "draft_token_ids"), gm(l.target_probs, false, "target_probs"),
       gm(l.is_greedy, false, "is_greedy"),       gm(l.uniform, false, "uniform"),
       gm(l.exponential, false, "exponential"),   gm(l.out_ids, true, "output_token_ids"),
-      gm(l.num_accepted, true, "num_accepted"),  gm(l.tiling_gm, false, "tiling")};
+      gm(l.num_accepted, true, "num_accepted")};
   if (l.draft_probs.defined()) args.push_back(gm(l.draft_probs, false, "draft_probs"));
   dflash::emu::launch(l.block_dim, std::move(args), [&] {
     dflash_rejection_sample(gm_ptr(l.draft_ids), gm_ptr(l.draft_probs), gm_ptr(l.target_probs),
                             gm_ptr(l.is_greedy), gm_ptr(l.uniform), gm_ptr(l.exponential),
-                            gm_ptr(l.out_ids), gm_ptr(l.num_accepted), gm_ptr(l.tiling_gm));
+                            gm_ptr(l.out_ids), gm_ptr(l.num_accepted), l.tiling);
   });
   return {l.out_ids, l.num_accepted};
 }
@@ -91,8 +94,7 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                                        gm(l.positions, false, "positions"),
                                        gm(l.cos_sin, false, "cos_sin_cache"),
                                        gm(l.slots, false, "slot_mapping"),
-                                       gm(l.cache_table, false, "cache_table"),
-                                       gm(l.tiling_gm, false, "tiling")};
+                                       gm(l.cache_table, false, "cache_table")};
   for (size_t i = 0; i < key_caches.size(); ++i) {
     args.push_back(gm(key_caches[i], true, "key_caches[" + std::to_string(i) + "]"));
     args.push_back(gm(value_caches[i], true, "value_caches[" + std::to_string(i) + "]"));
@@ -102,7 +104,7 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
                                     : dflash_context_kv_bf16;
   dflash::emu::launch(l.block_dim, std::move(args), [&] {
     kernel(gm_ptr(l.kv), gm_ptr(l.k_norm_weight), gm_ptr(l.positions), gm_ptr(l.cos_sin),
-           gm_ptr(l.slots), gm_ptr(l.cache_table), gm_ptr(l.tiling_gm));
+           gm_ptr(l.slots), gm_ptr(l.cache_table), l.tiling);
   });
 }
 
@@ -124,15 +126,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                                        gm(l.context_lens, false, "context_lens"),
                                        gm(l.cu_query_lens, false, "cu_query_lens"),
                                        gm(l.tree_mask, false, "tree_mask"),
-                                       gm(l.out, true, "output"),
-                                       gm(l.tiling_gm, false, "tiling")};
+                                       gm(l.out, true, "output")};
   auto kernel = l.dtype_code == 0   ? dflash_paged_attention_fp32
                 : l.dtype_code == 1 ? dflash_paged_attention_fp16
                                     : dflash_paged_attention_bf16;
   dflash::emu::launch(l.block_dim, std::move(args), [&] {
     kernel(gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value), gm_ptr(l.key_cache),
            gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
-           gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask), gm_ptr(l.out), gm_ptr(l.tiling_gm));
+           gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask), gm_ptr(l.out), l.tiling);
   });
   return l.out;
 }
@@ -150,9 +151,14 @@ std::vector<int64_t> paged_attention_plan(int64_t q_heads, int64_t kv_heads, int
   return {t.q_tile, t.head_tile, t.kv_tile};
 }
 
-// Device-to-host copies the shared host code (csrc/npu/ascend_host.h) has made so far.
-int64_t host_copies() {
-  return dflash::ascend::host_copies().load();
+// Host<->device copies, either direction, the shared host code (csrc/npu/ascend_host.h) has made.
+int64_t transfers() {
+  return dflash::ascend::transfers().load();
+}
+
+// Graph capture's rule for the tests: while on, any host<->device copy raises.
+void set_capturing(bool on) {
+  dflash::ascend::capturing() = on;
 }
 
 void configure(int64_t cores, int64_t max_tile, int64_t ub_bytes) {
@@ -200,7 +206,8 @@ TORCH_LIBRARY(dflash_emu, m) {
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
       "float scale, bool causal, bool check=True, Tensor? tree_mask=None) -> Tensor");
   m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash::emu::configure);
-  m.def("host_copies() -> int", &dflash::emu::host_copies);
+  m.def("transfers() -> int", &dflash::emu::transfers);
+  m.def("set_capturing(bool on) -> ()", &dflash::emu::set_capturing);
   m.def(
       "paged_attention_plan(int q_heads, int kv_heads, int head_dim, int block_size, "
       "int max_query_len, int elem_bytes) -> int[]",

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -22,29 +24,42 @@ template <typename... Parts>
   abort();  // unreachable: TORCH_CHECK_VALUE(false, ...) throws
 }
 
-// Every device-to-host copy the launchers make (on an NPU each one waits for the stream), counted
-// so that tests can see which calls make them (torch.ops.dflash_emu.host_copies).
-inline std::atomic<int64_t>& host_copies() {
-  static std::atomic<int64_t> copies{0};
-  return copies;
+// Every copy between host and device the launchers make, in either direction, counted so that
+// tests can see which calls make them (torch.ops.dflash_emu.transfers). On an NPU a blocking copy
+// drains the stream and cannot be captured into a graph: a launch with check = false makes none
+// (tilings are kernel arguments; a context_kv cache table is uploaded once per set of caches).
+inline std::atomic<int64_t>& transfers() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+// While set (graph capture), a transfer is an error instead of a stall.
+inline std::atomic<bool>& capturing() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+inline void count_transfer(const char* what) {
+  if (capturing())
+    TORCH_CHECK(false, "dflash: ", what,
+                " while capturing: a host<->device copy cannot be part "
+                "of a captured graph (call the op with check=False on checked inputs)");
+  ++transfers();
 }
 
 inline at::Tensor to_host(const at::Tensor& t) {
-  ++host_copies();
+  count_transfer("a device-to-host copy");
   return t.cpu().contiguous();
+}
+
+inline at::Tensor to_device(const at::Tensor& t, const at::Device& device) {
+  count_transfer("a host-to-device copy");
+  return t.to(device);
 }
 
 // A kernel argument: the GM address of `t`, or nullptr for an absent optional tensor.
 inline uint8_t* gm_ptr(const at::Tensor& t) {
   return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr;
-}
-
-// Copies a tiling struct into a byte tensor on `device` (the kernels read it from GM).
-template <typename T>
-at::Tensor tiling_tensor(const T& tiling, const at::Device& device) {
-  at::Tensor bytes = at::empty({static_cast<int64_t>(sizeof(T))}, at::kByte);
-  std::memcpy(bytes.data_ptr(), &tiling, sizeof(T));
-  return bytes.to(device);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -86,7 +101,7 @@ struct RejectionSampleLaunch {
   uint32_t block_dim;  // 0: empty batch, nothing to launch
   at::Tensor draft_ids, draft_probs, target_probs, is_greedy, uniform,
       exponential;  // contiguous inputs
-  at::Tensor out_ids, num_accepted, tiling_gm;
+  at::Tensor out_ids, num_accepted;
 };
 
 inline RejectionSampleLaunch prepare_rejection_sample(
@@ -113,7 +128,6 @@ inline RejectionSampleLaunch prepare_rejection_sample(
   l.exponential = exponential.contiguous();
   l.out_ids = at::empty({bs, k + 1}, draft_token_ids.options());
   l.num_accepted = at::empty({bs}, draft_token_ids.options());
-  l.tiling_gm = tiling_tensor(l.tiling, draft_token_ids.device());
   return l;
 }
 
@@ -125,8 +139,38 @@ struct ContextKvLaunch {
   ContextKvTiling tiling;
   uint32_t block_dim;  // 0: no tokens, nothing to launch
   int dtype_code;      // 0 float32, 1 float16, 2 bfloat16: which kernel
-  at::Tensor kv, k_norm_weight, positions, cos_sin, slots, cache_table, tiling_gm;
+  at::Tensor kv, k_norm_weight, positions, cos_sin, slots, cache_table;
 };
+
+// The device table of per-layer cache addresses and strides context_kv's kernel reads, uploaded
+// once per set of caches (the engine's live for its lifetime) and kept: [layers, 2, 3] int64.
+inline at::Tensor cache_table(at::TensorList key_caches, at::TensorList value_caches,
+                              const at::Device& device) {
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  at::Tensor table = at::empty({layers, 2, 3}, at::kLong);
+  auto entry = table.accessor<int64_t, 3>();
+  for (int64_t i = 0; i < layers; ++i) {
+    for (int kind = 0; kind < 2; ++kind) {
+      const at::Tensor& cache = kind == 0 ? key_caches[i] : value_caches[i];
+      // A device address as the kernel reads it back: pointer -> uintptr_t -> int64_t.
+      entry[i][kind][0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(cache.data_ptr()));
+      entry[i][kind][1] = cache.stride(0);
+      entry[i][kind][2] = cache.stride(1);
+    }
+  }
+  static std::mutex lock;
+  static std::map<std::vector<int64_t>, at::Tensor> uploaded;
+  std::vector<int64_t> key(table.data_ptr<int64_t>(), table.data_ptr<int64_t>() + table.numel());
+  key.push_back(static_cast<int64_t>(device.type()));
+  key.push_back(device.index());
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = uploaded.find(key);
+  if (it == uploaded.end()) {
+    if (uploaded.size() >= 64) uploaded.clear();  // caches come and go with engines: bounded
+    it = uploaded.emplace(std::move(key), to_device(table, device)).first;
+  }
+  return it->second;
+}
 
 // When several tokens map to one slot the last one wins, as in the reference; the kernel's blocks
 // run in any order, so the earlier tokens are skipped (slot -1) instead of racing.
@@ -188,19 +232,7 @@ inline ContextKvLaunch prepare_context_kv(
   l.cos_sin = cos_sin_cache.contiguous();
   l.slots = last_writer_slots(slot_mapping.contiguous());
 
-  at::Tensor table = at::empty({layers, 2, 3}, at::kLong);
-  auto entry = table.accessor<int64_t, 3>();
-  for (int64_t i = 0; i < layers; ++i) {
-    for (int kind = 0; kind < 2; ++kind) {
-      const at::Tensor& cache = kind == 0 ? key_caches[i] : value_caches[i];
-      // A device address as the kernel reads it back: pointer -> uintptr_t -> int64_t.
-      entry[i][kind][0] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(cache.data_ptr()));
-      entry[i][kind][1] = cache.stride(0);
-      entry[i][kind][2] = cache.stride(1);
-    }
-  }
-  l.cache_table = table.to(hidden.device());
-  l.tiling_gm = tiling_tensor(l.tiling, hidden.device());
+  l.cache_table = cache_table(key_caches, value_caches, hidden.device());
   return l;
 }
 
@@ -234,7 +266,7 @@ struct PagedAttentionLaunch {
   int dtype_code;      // 0 float32, 1 float16, 2 bfloat16: which kernel
   at::Tensor query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens;
   at::Tensor tree_mask;  // undefined without a tree mask
-  at::Tensor out, tiling_gm;
+  at::Tensor out;
 };
 
 // Bytes of Sum workspace the kernel reserves for rows of `head_dim` floats.
@@ -292,7 +324,6 @@ inline PagedAttentionLaunch prepare_paged_attention(
     l.tiling.tree_width = static_cast<uint32_t>(l.tree_mask.size(1));
   }
   l.out = at::empty_like(l.query);
-  l.tiling_gm = tiling_tensor(l.tiling, query.device());
   return l;
 }
 

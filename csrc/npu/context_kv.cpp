@@ -5,7 +5,7 @@
 extern "C" void dflash_context_kv_launch(uint32_t block_dim, void* stream, int dtype, uint8_t* kv,
                                          uint8_t* k_norm_weight, uint8_t* positions,
                                          uint8_t* cos_sin, uint8_t* slot_mapping,
-                                         uint8_t* cache_table, uint8_t* tiling);
+                                         uint8_t* cache_table, ContextKvTiling tiling);
 
 namespace dflash::npu {
 
@@ -24,7 +24,7 @@ void context_kv_npu(const at::Tensor& hidden, const std::optional<at::Tensor>& f
       "dflash::context_kv", [l](void* stream) {  // the caches are written through cache_table
         dflash_context_kv_launch(l.block_dim, stream, l.dtype_code, gm_ptr(l.kv),
                                  gm_ptr(l.k_norm_weight), gm_ptr(l.positions), gm_ptr(l.cos_sin),
-                                 gm_ptr(l.slots), gm_ptr(l.cache_table), gm_ptr(l.tiling_gm));
+                                 gm_ptr(l.slots), gm_ptr(l.cache_table), l.tiling);
       });
 }
 

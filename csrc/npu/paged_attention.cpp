@@ -7,7 +7,7 @@ extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, 
                                               uint8_t* key_cache, uint8_t* value_cache,
                                               uint8_t* block_table, uint8_t* context_lens,
                                               uint8_t* cu_query_lens, uint8_t* tree_mask,
-                                              uint8_t* out, uint8_t* tiling);
+                                              uint8_t* out, PagedAttentionTiling tiling);
 
 namespace dflash::npu {
 
@@ -33,7 +33,7 @@ at::Tensor paged_attention_npu(const at::Tensor& query, const at::Tensor& key,
       dflash_paged_attention_launch(
           l.block_dim, stream, l.dtype_code, gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value),
           gm_ptr(l.key_cache), gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
-          gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask), gm_ptr(l.out), gm_ptr(l.tiling_gm));
+          gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask), gm_ptr(l.out), l.tiling);
     });
   }
   return l.out;
