@@ -57,7 +57,6 @@ class RejectionSampler {
     pipe_.InitBuffer(scalarBuf_, 3 * kSlot * sizeof(float));
     pipe_.InitBuffer(rowBuf_, dflash::ascend::kernel::Align32((t_.drafts + 1) * sizeof(int64_t)));
     pipe_.InitBuffer(countBuf_, dflash::ascend::kernel::Align32(sizeof(int64_t)));
-    rowWritten_.Init(pipe_);
     BuildIndexRamp();
   }
 
@@ -67,7 +66,6 @@ class RejectionSampler {
       const uint32_t last = isGreedy_.GetValue(b) ? Greedy(b, accepted) : Sample(b, accepted);
       WriteRow(b, accepted, last);
     }
-    rowWritten_.Release(pipe_);
   }
 
  private:
@@ -221,7 +219,9 @@ class RejectionSampler {
 
   // out_ids[b] = accepted drafts, the last token, then -1; num_accepted[b] = accepted.
   __aicore__ inline void WriteRow(uint32_t b, uint32_t accepted, uint32_t last) {
-    rowWritten_.Wait();  // rows are reused
+    // rows are reused: the previous row's copy-out must be done. An immediate sync, not a flag
+    // held from there: scalar code in between would share IDs with bisheng's auto-sync.
+    dflash::ascend::kernel::Sync<HardEvent::MTE3_S>(pipe_);
     LocalTensor<int64_t> row = rowBuf_.Get<int64_t>();
     LocalTensor<int64_t> count = countBuf_.Get<int64_t>();
     for (uint32_t i = 0; i <= t_.drafts; ++i) {
@@ -235,7 +235,6 @@ class RejectionSampler {
     dflash::ascend::kernel::CopyOut(outIds_[static_cast<uint64_t>(b) * (t_.drafts + 1)], row,
                                     t_.drafts + 1);
     dflash::ascend::kernel::CopyOut(numAccepted_[b], count, 1);
-    rowWritten_.Set();
   }
 
   RejectionSampleTiling t_;
@@ -243,7 +242,6 @@ class RejectionSampler {
   AscendC::TQue<TPosition::VECIN, kBufferNum> pQue_, eQue_, qQue_;
   AscendC::TBuf<TPosition::VECCALC> workBuf_, rampBuf_, candBuf_, maskBuf_, tmpBuf_, scalarBuf_;
   AscendC::TBuf<TPosition::VECOUT> rowBuf_, countBuf_;
-  dflash::ascend::kernel::CarriedFlag<HardEvent::MTE3_S> rowWritten_;
   AscendC::GlobalTensor<int64_t> draftIds_, outIds_, numAccepted_;
   AscendC::GlobalTensor<float> targetProbs_, draftProbs_, uniform_, exponential_;
   AscendC::GlobalTensor<uint8_t> isGreedy_;

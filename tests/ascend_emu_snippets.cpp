@@ -797,6 +797,39 @@ void block_race_bad(GM_ADDR, GM_ADDR o) {
   BlockWrites(o, 0);
 }
 
+// ---- auto-sync: a flag between the scalar pipe and a DMA pipe is waited at once, never held
+// across scalar UB accesses (bisheng's --cce-auto-sync syncs those itself, on IDs of its own)
+template <bool kHeld>
+void ScalarAfterCopyOut(GM_ADDR o) {  // out[0:8] = 1, then out[8:16] = 2 from the same buffer
+  GlobalTensor<float> out;
+  out.SetGlobalBuffer((__gm__ float*)o, kFloats);
+  TPipe pipe;
+  TBuf<TPosition::VECOUT> f;
+  pipe.InitBuffer(f, 8 * sizeof(float));
+  LocalTensor<float> x = f.Get<float>();
+  for (uint32_t i = 0; i < 8; ++i) x.SetValue(i, 1.0f);
+  const int32_t to_mte3 = pipe.FetchEventID(HardEvent::S_MTE3);
+  SetFlag<HardEvent::S_MTE3>(to_mte3);
+  WaitFlag<HardEvent::S_MTE3>(to_mte3);
+  DataCopy(out, x, 8);
+  const int32_t id = pipe.AllocEventID<HardEvent::MTE3_S>();
+  SetFlag<HardEvent::MTE3_S>(id);
+  if (!kHeld) WaitFlag<HardEvent::MTE3_S>(id);
+  const float previous = x.GetValue(0);  // scalar code the compiler would sync itself
+  if (kHeld) WaitFlag<HardEvent::MTE3_S>(id);
+  pipe.ReleaseEventID<HardEvent::MTE3_S>(id);
+  for (uint32_t i = 0; i < 8; ++i) x.SetValue(i, previous + 1.0f);
+  SetFlag<HardEvent::S_MTE3>(to_mte3);
+  WaitFlag<HardEvent::S_MTE3>(to_mte3);
+  DataCopy(out[8], x, 8);
+}
+void auto_sync_bad(GM_ADDR, GM_ADDR o) {
+  ScalarAfterCopyOut<true>(o);
+}
+void auto_sync_ok(GM_ADDR, GM_ADDR o) {
+  ScalarAfterCopyOut<false>(o);
+}
+
 // ---- kernel-type: a kernel declares its task type; a MIX type launches two vector blocks per
 // block, so work split by GetBlockIdx() / GetBlockNum() runs twice
 void GridStrideWrites(GM_ADDR o) {  // slots 0..15 over the blocks, each once with AIV indexing
@@ -886,6 +919,8 @@ const Entry kSnippets[] = {
     SNIPPET(dma_position_bad, 1),
     SNIPPET(reduce_sum_tree_ok, 1),
     SNIPPET(block_race_bad, 4),
+    SNIPPET(auto_sync_bad, 1),
+    SNIPPET(auto_sync_ok, 1),
     SNIPPET(kernel_type_undeclared_bad, 4),
     SNIPPET(kernel_type_mix_bad, 4),
     SNIPPET(kernel_type_aiv_ok, 4),

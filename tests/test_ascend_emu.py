@@ -62,6 +62,7 @@ def run(name, inp=None):
      "stores its scalar in the UB from byte 188416 .* reach byte 188448"),
     ("dma-position", "dma_position_bad", "DataCopyPad GM->UB on a VECCALC buffer"),
     ("kernel-type", "kernel_type_undeclared_bad", "declares no task type"),
+    ("auto-sync", "auto_sync_bad", r"GetValue while SetFlag<MTE3_S>\(\d\) is held open"),
     ("block-race", "kernel_type_mix_bad", "both write the same GM bytes"),
 ])
 def test_violation_is_caught(rule, snippet, message):
@@ -232,3 +233,11 @@ def test_a_vector_kernel_splits_its_work_once_over_its_blocks():
     slots = out[:128].view(16, 8)
     assert slots[:, 0].tolist() == [float(s % 4) for s in range(16)]
     assert (slots[:, 1:] == 4.0).all()
+
+
+def test_a_dma_to_scalar_flag_waited_at_once_is_legal():
+    """auto_sync_bad's twin: the same copy-out, scalar read and second copy-out, with the flag
+    waited at once."""
+    _, out, _ = run("auto_sync_ok")
+    assert out[:8].tolist() == [1.0] * 8 and out[8:16].tolist() == [2.0] * 8
+    assert (out[16:] == SENTINEL).all()

@@ -249,6 +249,21 @@ class Block {
     set_flag(src, dst, id, name, hazards_.snapshot(src));
   }
 
+  // A scalar access to the UB while a flag between the scalar pipe and a DMA pipe is held open
+  // (set, not yet waited): under --cce-auto-sync bisheng orders scalar UB accesses against the
+  // DMA pipes itself, with SetFlag/WaitFlag on IDs it chooses (EVENT_ID0 first), which can land on
+  // the held ID: two SetFlag on one ID without a wait. Such a flag must be waited at once.
+  void scalar_access(const char* what) const {
+    for (const auto& [key, e] : events_) {
+      const auto [src, dst, id] = key;
+      const bool dma = src == kMte2 || src == kMte3 || dst == kMte2 || dst == kMte3;
+      if (e.first && dma && (src == kS || dst == kS))
+        fail("auto-sync", what, " while SetFlag<", event_name(src, dst), ">(", id,
+             ") is held open: with --cce-auto-sync the compiler syncs scalar UB accesses with "
+             "the DMA pipes on IDs of its own; wait such a flag at once (SetFlag then WaitFlag)");
+    }
+  }
+
   void set_flag(int src, int dst, int id, const char* name, const Clock& clock) {
     check_id(id, name);
     auto& e = events_[std::make_tuple(src, dst, id)];

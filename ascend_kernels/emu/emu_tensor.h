@@ -171,6 +171,7 @@ class LocalTensor {
   // Scalar access (pipe S): ordered against vector and DMA pipes only by explicit flags.
   T GetValue(uint32_t i) const {
     check_element(i, "LocalTensor::GetValue");
+    dflash::emu::block().scalar_access("LocalTensor::GetValue");
     auto& h = dflash::emu::block().hazards();
     h.issue(dflash::emu::kS);
     h.read(dflash::emu::kS, offset_ + i * sizeof(T), sizeof(T), "LocalTensor::GetValue");
@@ -179,6 +180,7 @@ class LocalTensor {
 
   void SetValue(uint32_t i, T value) const {
     check_element(i, "LocalTensor::SetValue");
+    dflash::emu::block().scalar_access("LocalTensor::SetValue");
     auto& h = dflash::emu::block().hazards();
     h.issue(dflash::emu::kS);
     h.write(dflash::emu::kS, offset_ + i * sizeof(T), sizeof(T), "LocalTensor::SetValue");
