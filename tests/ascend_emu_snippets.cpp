@@ -778,13 +778,24 @@ void reduce_sum_tree_ok(GM_ADDR i, GM_ADDR o) {
 // ---- block-race and launch order: blocks run in any order, so they must write disjoint GM
 // ---------
 
-void BlockWrites(GM_ADDR o, uint32_t slot) {  // out[8 slot : 8 slot + 8] = (idx, num, ...)
+// `out` (all 256 floats) and an 8-float UB buffer `x` at position Pos.
+template <TPosition Pos>
+struct OutAndBuffer {
   GlobalTensor<float> out;
-  out.SetGlobalBuffer((__gm__ float*)o, kFloats);
   TPipe pipe;
-  TBuf<TPosition::VECIN> f;
-  pipe.InitBuffer(f, 8 * sizeof(float));
-  LocalTensor<float> x = f.Get<float>();
+  TBuf<Pos> buf;
+  LocalTensor<float> x;
+  explicit OutAndBuffer(GM_ADDR o) {
+    out.SetGlobalBuffer((__gm__ float*)o, kFloats);
+    pipe.InitBuffer(buf, 8 * sizeof(float));
+    x = buf.template Get<float>();
+  }
+};
+
+void BlockWrites(GM_ADDR o, uint32_t slot) {  // out[8 slot : 8 slot + 8] = (idx, num, ...)
+  OutAndBuffer<TPosition::VECIN> s(o);
+  GlobalTensor<float>& out = s.out;
+  LocalTensor<float>& x = s.x;
   Duplicate(x, static_cast<float>(GetBlockNum()), 8);
   PipeBarrier<PIPE_V>();
   Duplicate(x, static_cast<float>(GetBlockIdx()), 1);
@@ -801,12 +812,10 @@ void block_race_bad(GM_ADDR, GM_ADDR o) {
 // across scalar UB accesses (bisheng's --cce-auto-sync syncs those itself, on IDs of its own)
 template <bool kHeld>
 void ScalarAfterCopyOut(GM_ADDR o) {  // out[0:8] = 1, then out[8:16] = 2 from the same buffer
-  GlobalTensor<float> out;
-  out.SetGlobalBuffer((__gm__ float*)o, kFloats);
-  TPipe pipe;
-  TBuf<TPosition::VECOUT> f;
-  pipe.InitBuffer(f, 8 * sizeof(float));
-  LocalTensor<float> x = f.Get<float>();
+  OutAndBuffer<TPosition::VECOUT> s(o);
+  GlobalTensor<float>& out = s.out;
+  LocalTensor<float>& x = s.x;
+  TPipe& pipe = s.pipe;
   for (uint32_t i = 0; i < 8; ++i) x.SetValue(i, 1.0f);
   const int32_t to_mte3 = pipe.FetchEventID(HardEvent::S_MTE3);
   SetFlag<HardEvent::S_MTE3>(to_mte3);
