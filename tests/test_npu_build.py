@@ -30,6 +30,7 @@ foreach(var ASCEND_CANN_PACKAGE_PATH SOC_VERSION RUN_MODE)
     message(FATAL_ERROR "stub ascendc.cmake: ${var} must be set before the include")
   endif()
 endforeach()
+set(CMAKE_SKIP_RPATH TRUE)   # as CANN's host_config.cmake does
 set(STUB_LOG "${CMAKE_BINARY_DIR}/stub_cann.txt")
 file(WRITE "${STUB_LOG}" "soc=${SOC_VERSION}\\nrun_mode=${RUN_MODE}\\n")
 function(ascendc_library name kind)
@@ -87,6 +88,14 @@ def test_setup_configures_the_npu_project_against_a_stub_cann(tmp_path):
         assert str(launcher.resolve()) in build_files or str(launcher) in build_files, launcher
     cache = (tmp_path / "build" / "CMakeCache.txt").read_text()
     assert f"DFLASH_NPU_OUTPUT_DIR:PATH={ROOT / 'dflash'}" in cache
+    # the library finds torch_npu's and CANN's libraries without LD_LIBRARY_PATH (what
+    # `readelf -d` would show as RUNPATH): its link line carries them, despite CANN's
+    # CMAKE_SKIP_RPATH
+    link = next(p.read_text() for p in (tmp_path / "build").rglob("link.txt")
+                if "_npu_kernels" in p.read_text())
+    rpath = link.split("-Wl,-rpath,", 1)[1].split()[0].strip("\"'").replace("\\$", "$")
+    assert rpath.split(":")[0] == "$ORIGIN", rpath
+    assert str(tmp_path / "cann" / "lib64") in rpath and "torch_npu/lib" in rpath
 
 
 def test_a_manual_configure_defaults_to_a_release_build(tmp_path):
