@@ -152,23 +152,40 @@ def test_npu_launchers_compile_against_stub_headers(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-def test_the_launch_goes_to_the_callers_stream(tmp_path):
-    # torch_npu runs OpCommand's handler on its task-queue thread, whose current stream is not the
-    # caller's (torch.npu.stream(s), graph capture): the launchers must read it before queueing.
+@pytest.fixture(scope="module")
+def launcher_check(tmp_path_factory):
+    """tests/npu_launcher_check.cpp built against the stub headers: csrc/npu's launchers with
+    stand-ins for torch_npu and CANN, run on CPU tensors."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    program = tmp_path / "stream_check"
+    program = tmp_path_factory.mktemp("npu") / "launcher_check"
     flags = [f"-isystem{p}" for p in include_paths()] + [
         f"-I{ROOT / 'tests' / 'npu_stub_headers'}", f"-I{ROOT / 'csrc'}",
         f"-I{ROOT / 'ascend_kernels'}"]
     libs = [f"-L{p}" for p in library_paths()] + [f"-Wl,-rpath,{p}" for p in library_paths()]
     result = subprocess.run(["c++", "-std=c++20", "-O0", *flags,
-                             str(ROOT / "tests" / "npu_stream_check.cpp"), "-o", str(program),
+                             str(ROOT / "tests" / "npu_launcher_check.cpp"), "-o", str(program),
                              *libs, "-lc10", "-ltorch_cpu", "-ltorch", "-pthread"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    run = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
-    assert run.stdout.strip() == "caller"
+    return lambda mode: subprocess.run([str(program), mode], capture_output=True, text=True,
+                                       timeout=60).stdout.strip()
+
+
+def test_the_launch_goes_to_the_callers_stream(launcher_check):
+    # torch_npu runs OpCommand's handler on its task-queue thread, whose current stream is not the
+    # caller's (torch.npu.stream(s), graph capture): the launchers must read it before queueing.
+    assert launcher_check("stream") == "caller"
+
+
+def test_every_launcher_guards_its_inputs_device(launcher_check):
+    """The stream, the platform queries and the allocations of a launch are the current device's:
+    each launcher makes its inputs' device current first (c10_npu::OptionalNPUGuard)."""
+    assert launcher_check("guards").splitlines() == ["cpu"] * 3
+
+
+def test_a_missing_cann_platform_is_a_clear_error(launcher_check):
+    assert "CANN's platform information is unavailable" in launcher_check("platform")
 
 
 def test_a_built_npu_library_is_loaded_after_torch_npu(monkeypatch):

@@ -15,6 +15,8 @@ void context_kv_npu(const at::Tensor& hidden, const std::optional<at::Tensor>& f
                     const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                     const at::Tensor& slot_mapping, at::TensorList key_caches,
                     at::TensorList value_caches, double eps, bool check) {
+  // the current device is the inputs': the stream, the platform and the allocations follow it
+  c10_npu::OptionalNPUGuard guard(hidden.device());
   using namespace dflash::ascend;
   auto l = prepare_context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias,
                               k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,

@@ -8,19 +8,30 @@
 
 #include "npu/ascend_host.h"
 #include "tiling/platform/platform_ascendc.h"
+#include "torch_npu/csrc/core/npu/NPUGuard.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 #include "torch_npu/csrc/framework/OpCommand.h"
 
 namespace dflash::ascend {
 
+// CANN's description of the device; null when CANN cannot read it (no visible NPU, set_env.sh
+// not sourced), which is an error here rather than a crash.
+inline platform_ascendc::PlatformAscendCManager& platform() {
+  auto* p = platform_ascendc::PlatformAscendCManager::GetInstance();
+  TORCH_CHECK(p != nullptr,
+              "dflash: CANN's platform information is unavailable "
+              "(PlatformAscendCManager::GetInstance() returned null): is an NPU visible and "
+              "CANN's set_env.sh sourced?");
+  return *p;
+}
+
 inline uint32_t vector_cores() {
-  return platform_ascendc::PlatformAscendCManager::GetInstance()->GetCoreNumAiv();
+  return platform().GetCoreNumAiv();
 }
 
 inline uint64_t ub_bytes() {
   uint64_t ub = 0;
-  platform_ascendc::PlatformAscendCManager::GetInstance()->GetCoreMemSize(
-      platform_ascendc::CoreMemType::UB, ub);
+  platform().GetCoreMemSize(platform_ascendc::CoreMemType::UB, ub);
   return ub ? std::min(ub, kUbBytes) : kUbBytes;
 }
 

@@ -24,6 +24,8 @@ at::Tensor paged_attention_npu(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
                                double scale, bool causal, bool check,
                                const std::optional<at::Tensor>& tree_mask) {
+  // the current device is the inputs': the stream, the platform and the allocations follow it
+  c10_npu::OptionalNPUGuard guard(query.device());
   using namespace dflash::ascend;
   auto l = prepare_paged_attention(query, key, value, key_cache, value_cache, block_table,
                                    context_lens, cu_query_lens, scale, causal, check, tree_mask,

@@ -13,6 +13,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_npu(
     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
     const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
     const at::Tensor& exponential, bool check) {
+  // the current device is the inputs': the stream, the platform and the allocations follow it
+  c10_npu::OptionalNPUGuard guard(draft_token_ids.device());
   using namespace dflash::ascend;
   auto l = prepare_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                     exponential, check, vector_cores(), ub_bytes());
