@@ -51,6 +51,9 @@ class PagedAttention {
                               const PagedAttentionTiling& tiling) {
     t_ = tiling;
     pad_ = t_.head_pad;
+    // Sum's rows are D floats rounded up to 32 bytes (its documented inner), which for a 16-bit
+    // input is not the input's head stride when D is not a multiple of 16
+    sumPad_ = dflash::ascend::kernel::Align32(t_.head_dim * sizeof(float)) / sizeof(float);
     rowStride_ = t_.kv_heads * t_.head_dim;
     query_.SetGlobalBuffer((__gm__ T*)query);
     key_.SetGlobalBuffer((__gm__ T*)key);
@@ -248,9 +251,9 @@ class PagedAttention {
     LocalTensor<float> result = resultBuf_.Get<float>();
     LocalTensor<float> reduceTmp = reduceTmpBuf_.Get<float>();
 
-    for (uint32_t j = 0; j < n; ++j) AscendC::Mul(prod[j * pad_], q, k[j * pad_], d);
+    for (uint32_t j = 0; j < n; ++j) AscendC::Mul(prod[j * sumPad_], q, k[j * pad_], d);
     AscendC::PipeBarrier<PIPE_V>();
-    AscendC::Sum(s, prod, sumTmpBuf_.Get<uint8_t>(), AscendC::SumParams{n, pad_, d});
+    AscendC::Sum(s, prod, sumTmpBuf_.Get<uint8_t>(), AscendC::SumParams{n, sumPad_, d});
     AscendC::PipeBarrier<PIPE_V>();
     AscendC::Muls(s, s, t_.scale, n);
     dflash::ascend::kernel::Sync<HardEvent::V_S>(pipe_);
@@ -309,7 +312,7 @@ class PagedAttention {
 
   PagedAttentionTiling t_;
   PagedAttentionItem item_;
-  uint32_t pad_, rowStride_, seqStart_, context_, keyEnd_, rows_;
+  uint32_t pad_, sumPad_, rowStride_, seqStart_, context_, keyEnd_, rows_;
   float max_[kPagedAttentionMaxRows], sum_[kPagedAttentionMaxRows];
   AscendC::TPipe pipe_;
   AscendC::TQue<TPosition::VECIN, kBufferNum> kQue_, vQue_;

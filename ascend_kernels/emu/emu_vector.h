@@ -363,8 +363,8 @@ void ReduceMin(const LocalTensor<T>& dst, const LocalTensor<T>& src, const Local
 }
 
 // Sum (high-level API): dst[i] = sum of the first n elements of row i of src [outter, inner], in
-// float, in A2's tree order (detail::tree_sum). Rows are inner elements
-// apart, inner * sizeof(T) a multiple of 32 bytes; dst covers outter elements rounded up to 32
+// float, in A2's tree order (detail::tree_sum). Rows are inner elements apart, and inner is what
+// the documentation says it is: n elements rounded up to 32 bytes; dst covers outter elements rounded up to 32
 // bytes and its lanes past outter are left unspecified (poisoned); src and dst may not overlap.
 // The workspace size is our reading (one partial per 32-byte block of a row); on the NPU
 // GetSumMaxMinTmpSize gives the real one.
@@ -384,6 +384,11 @@ void Sum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor
   if (p.inner * sizeof(T) % dflash::emu::kAlign)
     dflash::emu::fail("sum", "Sum rows of inner = ", p.inner,
                       " elements are not a multiple of 32 bytes");
+  const uint32_t aligned = dflash::emu::round_up(p.n * sizeof(T), dflash::emu::kAlign) / sizeof(T);
+  if (p.inner != aligned)
+    dflash::emu::fail("sum", "Sum rows of inner = ", p.inner, " elements for n = ", p.n,
+                      ": the documented contract is inner = n rounded up to 32 bytes (", aligned,
+                      ")");
   const uint32_t dst_bytes = dflash::emu::round_up(p.outter * sizeof(T), dflash::emu::kAlign);
   const uint32_t tmp_bytes = dflash::emu::round_up(
       (p.n * sizeof(T) + dflash::emu::kAlign - 1) / dflash::emu::kAlign * sizeof(T),
