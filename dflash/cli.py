@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> Non
                        choices=["adaptive", "tree", "fixed"],
                        help="adaptive (default): each step verifies as many drafts per "
                             "sequence as pays on this host (0 = none); tree: the same, as a "
-                            "tree of the draft's best candidates for greedy requests; fixed: "
+                            "tree of the draft's best candidates; fixed: "
                             "full blocks")
 
 

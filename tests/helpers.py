@@ -31,6 +31,45 @@ def serving_engine(*args, **kwargs):
     return LLMEngine(EngineArgs(*args, **kwargs), isolate_errors=True)
 
 
+def make_small_vocabulary(root):
+    """A target with 12 tokens, all with real mass, its draft (blocks of 4), a prompt, and the
+    exact distribution of the second generated token (from the Hugging Face model)."""
+    from pathlib import Path
+
+    root = Path(root)
+    vocab = 12
+    hf = make_tiny_target(root / "t", "qwen3", vocab_size=vocab, seed=3)
+    with torch.no_grad():   # flatten the tiny model's logits so every token has real mass
+        hf.lm_head.weight.mul_(0.15)
+    hf.save_pretrained(root / "t")
+    make_tiny_draft(root / "d", root / "t", block_size=4, mask_token_id=vocab - 1)
+    prompt = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        seq2 = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2_given_1 = torch.softmax(hf(seq2).logits[:, -1].double(), -1)
+    return root / "t", root / "d", prompt, p1 @ p2_given_1
+
+
+def second_token_pvalue(small_vocabulary, n, setup=None, **llm_args):
+    """Chi-square p-value of the second tokens of n seeded requests (seeds 0..n-1, temperature 1)
+    against their exact distribution, and the engine's metrics. The second token comes from a
+    speculative step. `setup(llm)` runs before generating."""
+    from scipy.stats import chisquare
+
+    from dflash import LLM, SamplingParams
+
+    target, draft, prompt, p2 = small_vocabulary
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=200, **llm_args)
+    if setup is not None:
+        setup(llm)
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=2, seed=s)
+                                       for s in range(n)])
+    second = torch.tensor([o.token_ids[1] for o in outs])
+    observed = torch.bincount(second, minlength=len(p2)).double()
+    return chisquare(observed.numpy(), (p2 * n).numpy()).pvalue, llm.metrics()
+
+
 class CharTokenizer:
     """A stand-in tokenizer for tiny random targets (`LLM(..., tokenizer=CharTokenizer())`): one
     token per character, a chat template that returns the message itself."""

@@ -6,7 +6,12 @@ import torch
 
 from dflash import LLM, SamplingParams
 
-from helpers import hf_greedy, make_tiny_draft, make_tiny_pair, make_tiny_target
+from helpers import (
+    hf_greedy,
+    make_small_vocabulary,
+    make_tiny_pair,
+    second_token_pvalue,
+)
 
 B = 8
 PROMPTS = [[(7 * i + 3 * j) % 90 + 1 for j in range(n)]
@@ -221,36 +226,12 @@ def _running(llm, prompts):
 
 @pytest.fixture(scope="module")
 def small_vocabulary(tmp_path_factory):
-    """A target with 12 tokens, all with real mass, its draft, a prompt, and the exact
-    distribution of the second generated token (from the Hugging Face model)."""
-    root = tmp_path_factory.mktemp("small_vocabulary")
-    vocab = 12
-    hf = make_tiny_target(root / "t", "qwen3", vocab_size=vocab, seed=3)
-    with torch.no_grad():   # flatten the tiny model's logits so every token has real mass
-        hf.lm_head.weight.mul_(0.15)
-    hf.save_pretrained(root / "t")
-    make_tiny_draft(root / "d", root / "t", block_size=4, mask_token_id=vocab - 1)
-    prompt = [3, 1, 4, 1, 5]
-    with torch.no_grad():
-        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
-        seq2 = torch.tensor([prompt + [t] for t in range(vocab)])
-        p2_given_1 = torch.softmax(hf(seq2).logits[:, -1].double(), -1)
-    return root / "t", root / "d", prompt, p1 @ p2_given_1
+    return make_small_vocabulary(tmp_path_factory.mktemp("small_vocabulary"))
 
 
 def _second_token_pvalue(small_vocabulary, draft_sampling, n):
-    """Chi-square p-value of the second tokens of n seeded requests (seeds 0..n-1) against their
-    exact distribution, and the engine's metrics. The second token comes from a speculative step."""
-    from scipy.stats import chisquare
-
-    target, draft, prompt, p2 = small_vocabulary
-    llm = LLM(target, draft, dtype="float32", max_num_seqs=200, draft_sampling=draft_sampling,
-              speculation="fixed")
-    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=2, seed=s)
-                                       for s in range(n)])
-    second = torch.tensor([o.token_ids[1] for o in outs])
-    observed = torch.bincount(second, minlength=len(p2)).double()
-    return chisquare(observed.numpy(), (p2 * n).numpy()).pvalue, llm.metrics()
+    return second_token_pvalue(small_vocabulary, n, draft_sampling=draft_sampling,
+                               speculation="fixed")
 
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])

@@ -14,7 +14,12 @@ from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Planner
 from dflash.engine.worker import MAX_TREE_NODES
 
-from helpers import RandomVerifySchedule, make_tiny_pair
+from helpers import (
+    RandomVerifySchedule,
+    make_small_vocabulary,
+    make_tiny_pair,
+    second_token_pvalue,
+)
 
 B = 8
 PROMPTS = [[(5 * i + 7 * j) % 90 + 1 for j in range(n)]
@@ -180,3 +185,61 @@ def test_the_planner_grows_trees_where_rows_are_free_and_adaptive_keeps_chains(m
     outs = chain.generate(PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == expected[:4]
     assert chain.metrics()["tree_steps"] == 0 and chain.metrics()["speculation"] == "adaptive"
+
+
+@pytest.fixture(scope="module")
+def small_vocabulary(tmp_path_factory):
+    return make_small_vocabulary(tmp_path_factory.mktemp("small_vocabulary"))
+
+
+class FullTrees(RandomVerifySchedule):
+    """A planner stand-in: every sequence drafts and verifies its whole candidate tree (up to 32
+    nodes over a 12-token vocabulary: bushy)."""
+
+    def plan(self, requests):
+        return [self.k_max] * len(requests)
+
+    def choose_nodes(self, scores, sequences):
+        return [len(s) for s in scores]
+
+
+def _bushy_trees(llm):
+    llm.engine.planner = FullTrees(0, k_max=3)
+
+
+def test_sampled_trees_keep_the_target_distribution(small_vocabulary):
+    """The second token's marginal is the target's own (chi-square, significance 1e-3) when it
+    comes from sampled tree verification."""
+    n = 3000
+    pvalue, metrics = second_token_pvalue(small_vocabulary, n, setup=_bushy_trees,
+                                          speculation="tree")
+    assert pvalue > 1e-3
+    assert sum(metrics["tree_node_histogram"].values()) == n      # every second token
+    assert max(metrics["tree_node_histogram"]) > 3
+    assert metrics["num_accepted_tokens"] > n // 20
+
+
+def test_chi_square_catches_a_residual_that_keeps_rejected_tokens(small_vocabulary,
+                                                                  monkeypatch):
+    """Negative control: a rejected child left in the residual gets a second chance, as a later
+    sibling's rival and as the bonus token; the same test must fail."""
+    from dflash.engine import worker
+
+    monkeypatch.setattr(worker, "reject", lambda residual, token: residual)
+    pvalue, _ = second_token_pvalue(small_vocabulary, 3000, setup=_bushy_trees,
+                                    speculation="tree")
+    assert pvalue < 1e-3
+
+
+def test_greedy_requests_in_a_batch_with_sampled_ones_stay_exact(models, expected):
+    llm = LLM(*models, dtype="float32", max_num_seqs=8, speculation="tree")
+    llm.engine.planner = FullTrees(0, k_max=B - 1)
+    params = [SamplingParams(max_tokens=10 + 5 * i) if i % 2 == 0 else
+              SamplingParams(max_tokens=10 + 5 * i, temperature=0.8, seed=i)
+              for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    assert [outs[i].token_ids for i in range(0, len(PROMPTS), 2)] == expected[::2]
+    assert all(len(outs[i].token_ids) == 10 + 5 * i for i in range(1, len(PROMPTS), 2))
+    again = llm.generate(PROMPTS, params)   # seeded sampled requests reproduce themselves
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert llm.metrics()["tree_steps"] > 0

@@ -49,7 +49,7 @@ class LLM:
         speculation: "adaptive" (default): every step, each sequence verifies the number of
             drafts (0..B-1) that maximises expected tokens per second under `cost_model` and
             its acceptance so far; the draft forward is skipped when none verifies any. "tree":
-            the same choice of which sequences draft, then greedy ones verify a tree of the
+            the same choice of which sequences draft, which then verify a tree of the
             draft's best candidates, sized by the same cost model (docs/design.md 4.6).
             "fixed": every sequence verifies all B-1 drafts (the published DFlash schedule).
         recalibrate: measure the cost model again instead of reading its cache (kept in

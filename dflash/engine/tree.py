@@ -78,6 +78,13 @@ def accept_greedy(tree: Tree, target_ids: list[int]) -> list[int]:
     return path
 
 
+def reject(residual, token: int):
+    """The residual after one-hot proposal `token` was rejected: its mass removed (the rest is
+    renormalised where it is read)."""
+    residual[token] = 0.0
+    return residual
+
+
 class Calibration:
     """P(a node is accepted | its draft path probability), in bins, learned from verified trees
     (every node of a verified tree is an observation: accepted when it lies on the accepted

@@ -32,7 +32,7 @@ from ..sampling import noise
 from .cost_model import fastest_each
 from .request import Request
 from .step import decode_step, draft_logits, greedy_drafts
-from .tree import Tree, accept_greedy, best_first
+from .tree import Tree, accept_greedy, best_first, reject
 
 
 @dataclass
@@ -294,11 +294,11 @@ class Worker:
 
     # ------------------------------------------------------------------------------- trees
     def can_tree(self, requests: list[Request]) -> bool:
-        """Whether a tree step can serve these requests: greedy ones, with greedy drafts from
-        the draft model (sampled requests verify chains)."""
+        """Whether a tree step can serve these requests: the draft model proposes, and its
+        candidates are one-hot proposals (draft_sampling "greedy"; sampled drafts verify
+        chains)."""
         return self.trees and self.draft is not None and self.proposer is None and \
-            self.block_size > 1 and self.draft_sampling == "greedy" and \
-            all(r.params.is_greedy for r in requests)
+            self.block_size > 1 and self.draft_sampling == "greedy"
 
     @torch.inference_mode()
     def tree_step(self, requests: list[Request], drafting: list[bool], choose
@@ -338,11 +338,16 @@ class Worker:
                               self.num_kv_blocks, parents=[t.parents for t in trees])
         tokens = torch.tensor([tok for t in trees for tok in t.tokens], device=self.device)
         hidden, features = self.target(tokens, meta, self.target_cache, self.capture)
-        target_ids = sampling.first_argmax(self.target.logits(hidden)).tolist()   # the sync
+        logits = self.target.logits(hidden)
+        target_ids = sampling.first_argmax(logits).tolist()   # the sync
         emitted, paths, rows, start = [], [], [], 0
-        for t in trees:
-            path = accept_greedy(t, target_ids[start:start + len(t)])
-            emitted.append([t.tokens[n] for n in path[1:]] + [target_ids[start + path[-1]]])
+        for r, t in zip(requests, trees):
+            if r.params.is_greedy:
+                path = accept_greedy(t, target_ids[start:start + len(t)])
+                bonus = target_ids[start + path[-1]]
+            else:
+                path, bonus = self._accept_sampled(r, t, logits[start:start + len(t)])
+            emitted.append([t.tokens[n] for n in path[1:]] + [bonus])
             paths.append(path)
             rows.append([start + n for n in path])
             start += len(t)
@@ -358,6 +363,36 @@ class Worker:
         for r, path in zip(requests, paths):
             r.num_cached += len(path)
         return emitted, trees, paths
+
+    def _accept_sampled(self, r: Request, t: Tree, logits: torch.Tensor
+                        ) -> tuple[list[int], int]:
+        """A sampled request's accepted path through its tree and the token after it, keeping
+        the target distribution (design.md 4.6): at each node, its children in the draft's order
+        are one-hot proposals on the residual (child x accepted with probability residual(x) /
+        sum; on rejection x leaves the residual), and the token after the path is drawn from the
+        last residual. Coins are keyed by (seed, position, the child's rank); the race by (seed,
+        position), so a seeded request reproduces itself."""
+        probs = sampling.target_probs(logits[None], [r.params])[0]
+        offset = self._offsets([r])[0]
+        deepest = max(t.depths)
+        coins = noise.uniform([r.seed] * (deepest + 1), [offset + d for d in range(deepest + 1)],
+                              noise.TREE_COINS, 1, TREE_TOP_K, probs.device)[:, 0].tolist()
+        children: list[list[int]] = [[] for _ in range(len(t))]
+        for node in range(1, len(t)):
+            children[t.parents[node]].append(node)
+        path = [0]
+        while True:
+            node, residual = path[-1], probs[path[-1]].clone()
+            for rank, child in enumerate(children[node]):
+                x = t.tokens[child]
+                if coins[t.depths[node]][rank] * float(residual.sum()) < float(residual[x]):
+                    path.append(child)
+                    break
+                residual = reject(residual, x)
+            else:
+                race = noise.exponential([r.seed], [offset + t.depths[node]], noise.TARGET_RACE,
+                                         1, residual.shape[-1], residual.device)[0, 0]
+                return path, int((residual / race).argmax())
 
     def _commit_paths(self, rows: list[list[int]], targets: list[list[int]],
                       meta: AttentionMetadata) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-COINS, TARGET_RACE, DRAFT_RACE = 0, 1, 2   # the noise streams
+COINS, TARGET_RACE, DRAFT_RACE, TREE_COINS = 0, 1, 2, 3   # the noise streams
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57          # Philox4x32 multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments
