@@ -303,14 +303,15 @@ class Worker:
     @torch.inference_mode()
     def tree_step(self, requests: list[Request], drafting: list[bool], choose
                   ) -> tuple[list[list[int]], list[Tree], list[list[int]]]:
-        """One greedy decode step verifying a tree of drafts per sequence (docs/design.md 4.6).
+        """One decode step verifying a tree of drafts per sequence (docs/design.md 4.6).
 
         The drafting requests get one draft pass; `choose(scores)` takes, per drafting request,
         its candidate nodes' draft path probabilities in best-first order and returns how many
         to verify. One target pass over every tree (rows: root, then nodes; a node attends to
-        its context, its ancestors and itself) gives the target's argmax at every node; each
-        request commits its accepted path and the target's token after it. Returns the emitted
-        tokens, the verified trees and their accepted paths (node indices)."""
+        its context, its ancestors and itself) gives the target's logits at every node; each
+        request accepts a path (greedy: along the argmax; sampled: `_accept_sampled`) and
+        commits it and the token after it. Returns the emitted tokens, the verified trees and
+        their accepted paths (node indices)."""
         b = self.block_size
         trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
         chosen = [i for i, d in enumerate(drafting) if d]
