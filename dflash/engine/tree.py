@@ -123,8 +123,7 @@ def choose_nodes(gains: list[list[float]], step_seconds, sequences: int | None =
     n = len(gains) if sequences is None else sequences
     # a calibrated gain may exceed its parent's: capping by the ones before keeps every choice a
     # prefix of each row, hence a tree
-    flat = [(g, i) for i, row in enumerate(gains) for g in np.minimum.accumulate(row)
-            if len(row)]
+    flat = [(g, i) for i, row in enumerate(gains) for g in np.minimum.accumulate(row)]
     if not flat:
         return [0] * len(gains)
     order = sorted(range(len(flat)), key=lambda j: -flat[j][0])   # stable: rows keep their order

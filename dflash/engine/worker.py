@@ -352,10 +352,11 @@ class Worker:
             paths.append(path)
             rows.append([start + n for n in path])
             start += len(t)
-        self._commit_paths(rows, [[row[0] + d for d in range(len(row))] for row in rows], meta)
+        # the verify row whose slot the path's node at depth d belongs in: its root's row + d
+        targets = [[row[0] + d for d in range(len(row))] for row in rows]
+        self._commit_paths(rows, targets, meta)
         path_rows = torch.tensor([r for row in rows for r in row], device=self.device)
-        at_depth = torch.tensor([row[0] + d for row in rows for d in range(len(row))],
-                                device=self.device)
+        at_depth = torch.tensor([r for row in targets for r in row], device=self.device)
         verified = Verified(emitted, [len(p) - 1 for p in paths], [len(p) - 1 for p in paths],
                             features[path_rows],
                             replace(meta, positions=meta.positions[path_rows],
@@ -384,12 +385,15 @@ class Worker:
         path = [0]
         while True:
             node, residual = path[-1], probs[path[-1]].clone()
+            total = float(residual.sum())
             for rank, child in enumerate(children[node]):
                 x = t.tokens[child]
-                if coins[t.depths[node]][rank] * float(residual.sum()) < float(residual[x]):
+                mass = float(residual[x])
+                if coins[t.depths[node]][rank] * total < mass:
                     path.append(child)
                     break
                 residual = reject(residual, x)
+                total -= mass
             else:
                 race = noise.exponential([r.seed], [offset + t.depths[node]], noise.TARGET_RACE,
                                          1, residual.shape[-1], residual.device)[0, 0]
