@@ -70,6 +70,9 @@ class RejectionSampler {
 
  private:
   static constexpr uint32_t kSlot = 8;  // one 32-byte slot per scalar result in scalarBuf_
+  // The smallest normal float: a residual below it everywhere counts as empty (design.md 3.3), as
+  // the vector unit flushes subnormals and would see no mass there.
+  static constexpr float kMinNormal = 1.17549435e-38f;
 
   // ramp[i] = i (as float, exact below 2^24): Select picks indices from it. Eight scalar stores,
   // then doubling with vector adds keeps every operand 32-byte aligned.
@@ -117,7 +120,7 @@ class RejectionSampler {
     if (i < t_.drafts) {
       const Weights residual = t_.dense ? Weights::kResidualDense : Weights::kResidualOneHot;
       const PassResult r = Pass(residual, b, i, x);
-      if (r.residual_max > 0.0f) return r.index;
+      if (r.residual_max >= kMinNormal) return r.index;
     }
     return Pass(Weights::kNoisy, b, i, 0).index;
   }

@@ -128,6 +128,29 @@ def test_elementwise_ops_match_torch():
     torch.testing.assert_close(out, expected)
 
 
+def test_the_inexact_mode_rounds_as_the_a2_vector_unit_does(monkeypatch):
+    """DFLASH_EMU_INEXACT=1: Div / Exp / Ln / Sqrt / Rsqrt land within one ulp of the correctly
+    rounded result (and do move: the negative control), every instruction flushes subnormal
+    operands and results, and the same inputs give the same results."""
+    inp = torch.randn(256, generator=torch.Generator().manual_seed(2))
+    inp[32:64] = inp[32:64].abs() + 0.1
+    inp[0], inp[32] = 1e-30, 1e10      # x / y = 1e-40: a subnormal quotient
+    inp[1], inp[33] = -100.0, 1.0      # exp(-100): a subnormal result
+    inp[2] = 2e-39                     # a subnormal operand: min(x, y) = x
+    _, exact, _ = run("elementwise_ok", inp)
+    monkeypatch.setenv("DFLASH_EMU_INEXACT", "1")
+    _, rough, _ = run("elementwise_ok", inp)
+    _, again, _ = run("elementwise_ok", inp)
+    assert torch.equal(rough, again)
+    assert exact[96] != 0 and rough[96] == 0 and exact[129] != 0 and rough[129] == 0
+    assert exact[34] == inp[2] and rough[34] == 0 and rough[98] == 0   # and x / y with it
+    normal = torch.ones(256, dtype=torch.bool)
+    normal[[34, 96, 98, 129]] = False
+    ulps = (rough.view(torch.int32) - exact.view(torch.int32)).abs()[normal]
+    assert ulps[:95].max() == 0                         # max, min, sub: exact
+    assert ulps[95:].max() == 1 and (ulps[95:] == 1).sum() > 40
+
+
 def test_sum_adds_the_first_n_of_each_row_and_leaves_the_block_tail_unspecified():
     inp, out, _ = run("sum_ok")
     torch.testing.assert_close(out[:4], inp[:160].view(4, 40)[:, :37].sum(-1))

@@ -97,6 +97,25 @@ def test_rejection_sample_zero_residual_falls_back_to_p(emu):
     assert_same_tokens(emu, zero)
 
 
+@pytest.mark.parametrize("inexact", ["0", "1"])
+def test_rejection_sample_subnormal_residual_falls_back_to_p(emu, monkeypatch, inexact):
+    """A residual whose only mass is subnormal is empty, in the reference, the CPU kernel and
+    the Ascend kernel alike, also where the vector unit flushes subnormals (DFLASH_EMU_INEXACT)
+    and would otherwise see no mass where the others see some."""
+    monkeypatch.setenv("DFLASH_EMU_INEXACT", inexact)
+    args = rejection_sample_inputs(bs=4, k=2, v=300, dense=True, greedy_every=0, seed=6)
+    args["target_probs"][:, :2] = args["draft_probs"] * 0.5   # p <= q: no residual mass ...
+    args["draft_probs"][:, 0, 7] = 0.0
+    args["target_probs"][:, 0, 7] = 1e-40                      # ... but a subnormal one
+    args["draft_token_ids"][:, 0] = 3
+    args["uniform"][:] = 0.99                                  # every first draft is rejected
+    tokens, accepted = reference.rejection_sample(**args)
+    assert (accepted == 0).all() and (tokens[:, 0] != 7).all()   # drawn from p, not the 7
+    cpu = torch.ops.dflash.rejection_sample(**args)
+    assert torch.equal(cpu[0], tokens) and torch.equal(cpu[1], accepted)
+    assert_same_tokens(emu, args)
+
+
 @pytest.mark.parametrize("dense, v", [(False, 6700), (True, 5200)])
 def test_rejection_sample_tile_near_the_select_reserved_ub(emu, dense, v):
     # One tile holds the whole vocabulary; planned against the full 192 KiB its buffers would

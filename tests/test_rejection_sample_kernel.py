@@ -154,16 +154,21 @@ def test_all_zero_residual_falls_back_to_p():
     assert _one_row([100], p, q=q, uniform=[0.0], exponential=e) == ([2500, -1], 0)
 
 
-def test_tiny_residual_is_used_even_when_its_ratios_underflow():
-    # the residual max(p - q, 0) is 1e-45 at one token: positive, so no fallback to p, yet
-    # 1e-45 / 10 rounds to 0 like every other ratio, so the race returns the first index
+def test_a_subnormal_residual_is_empty_and_a_normal_one_is_used_even_if_its_ratios_underflow():
     v = 3000
     p = torch.zeros(2, v)
     p[0, 1] = 0.5
     p[0, 2999] = 1e-45
     q = torch.zeros(1, v)
     q[0, 1] = 1.0
+    # the residual max(p - q, 0) is 1e-45 at one token: subnormal, so empty (design.md 3.3): the
+    # race falls back to p, whose mass is at token 1
     assert _one_row([1], p, q=q, uniform=[0.999], exponential=torch.full((v,), 10.0)) == \
+        ([1, -1], 0)
+    # the smallest normal float is mass: no fallback, yet tiny / 1e30 rounds to 0 like every
+    # other ratio, so the race returns the first index
+    p[0, 2999] = torch.finfo(torch.float32).tiny
+    assert _one_row([1], p, q=q, uniform=[0.999], exponential=torch.full((v,), 1e30)) == \
         ([0, -1], 0)
 
 

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 
@@ -115,23 +117,89 @@ class VecInstr {
   std::vector<Operand> ops_;
 };
 
+// How A2's vector unit rounds: Div, Exp, Ln, Sqrt and Rsqrt within one ulp, not correctly, and
+// subnormal operands and results flushed to zero. The emulation rounds correctly unless
+// DFLASH_EMU_INEXACT is set (not "0"): then every vector arithmetic instruction flushes
+// subnormals, and those five move each result by -1, 0 or +1 ulp of its type, chosen from its
+// operands' bits (the same inputs give the same result), so a kernel whose claims assume
+// correctly rounded math fails here as it would on the chip.
+inline bool inexact_math() {
+  const char* v = std::getenv("DFLASH_EMU_INEXACT");
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+}
+
+// The smallest normal T: 2^-14 for half, float's for float and bfloat16_t.
+template <typename T>
+constexpr float min_normal() {
+  return std::is_same_v<T, half> ? 6.103515625e-05f : std::numeric_limits<float>::min();
+}
+
+// x as the chip reads it: a subnormal is zero.
+template <typename T>
+compute_t<T> operand(T x) {
+  const float v = load(x);
+  return std::fabs(v) > 0.f && std::fabs(v) < min_normal<T>() ? std::copysign(0.f, v) : load(x);
+}
+
+template <typename T>
+uint32_t bits_of(T v) {
+  if constexpr (sizeof(T) == 4) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u;
+  } else {
+    uint16_t u;
+    std::memcpy(&u, &v, 2);
+    return u;
+  }
+}
+
+// The chip's result for the correctly rounded `exact` (a T): a subnormal flushed, and for a
+// `rough` instruction moved by -1, 0 or +1 ulp as `seed` picks (zeros, infinities and NaNs stay;
+// no step leaves the normal finite range).
+template <typename T>
+T chip_result(T exact, bool rough, uint32_t seed) {
+  const float v = load(exact);
+  if (std::fabs(v) > 0.f && std::fabs(v) < min_normal<T>()) return store<T>(std::copysign(0.f, v));
+  const int step = rough ? static_cast<int>((seed * 0x9E3779B1u) >> 30) % 3 - 1 : 0;
+  if (!std::isfinite(v) || v == 0.f || step == 0) return exact;
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+  U u = static_cast<U>(bits_of(exact));
+  u = static_cast<U>(u + step);  // the magnitude moves one ulp (the sign bit is untouched)
+  T moved;
+  std::memcpy(&moved, &u, sizeof(T));
+  const float m = load(moved);
+  return std::isfinite(m) && std::fabs(m) >= min_normal<T>() ? moved : exact;
+}
+
 template <typename T, typename F>
 void binary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a,
-            const LocalTensor<T>& b, uint32_t count, F f) {
+            const LocalTensor<T>& b, uint32_t count, F f, bool rough = false) {
   arithmetic<T>(name);
   const uint32_t bytes = count * sizeof(T);
   VecInstr(name).src(a, bytes).src(b, bytes).dst(dst, bytes).run();
   T *d = dst.data(), *x = a.data(), *y = b.data();
+  if (inexact_math()) {
+    for (uint32_t i = 0; i < count; ++i)
+      d[i] = chip_result(store<T>(f(operand(x[i]), operand(y[i]))), rough,
+                         bits_of(x[i]) * 31u + bits_of(y[i]));
+    return;
+  }
   for (uint32_t i = 0; i < count; ++i) d[i] = store<T>(f(load(x[i]), load(y[i])));
 }
 
 template <typename T, typename F>
 void unary(const char* name, const LocalTensor<T>& dst, const LocalTensor<T>& a, uint32_t count,
-           F f) {
+           F f, bool rough = false) {
   arithmetic<T>(name);
   const uint32_t bytes = count * sizeof(T);
   VecInstr(name).src(a, bytes).dst(dst, bytes).run();
   T *d = dst.data(), *x = a.data();
+  if (inexact_math()) {
+    for (uint32_t i = 0; i < count; ++i)
+      d[i] = chip_result(store<T>(f(operand(x[i]))), rough, bits_of(x[i]));
+    return;
+  }
   for (uint32_t i = 0; i < count; ++i) d[i] = store<T>(f(load(x[i])));
 }
 
@@ -181,19 +249,20 @@ void reduce_extreme(const char* name, const LocalTensor<T>& dst, const LocalTens
 
 }  // namespace detail
 
-#define EMU_BINARY(NAME, EXPR)                                                                 \
+// ROUGH: the instruction is within one ulp on A2 (detail::inexact_math)
+#define EMU_BINARY(NAME, EXPR, ROUGH)                                                          \
   template <typename T>                                                                        \
   void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src0, const LocalTensor<T>& src1, \
             uint32_t count) {                                                                  \
-    detail::binary(#NAME, dst, src0, src1, count, [](auto a, auto b) { return EXPR; });        \
+    detail::binary(#NAME, dst, src0, src1, count, [](auto a, auto b) { return EXPR; }, ROUGH); \
   }
 // clang-format off
-EMU_BINARY(Add, a + b)
-EMU_BINARY(Sub, a - b)
-EMU_BINARY(Mul, a * b)
-EMU_BINARY(Div, a / b)
-EMU_BINARY(Max, a > b ? a : b)
-EMU_BINARY(Min, a < b ? a : b)
+EMU_BINARY(Add, a + b, false)
+EMU_BINARY(Sub, a - b, false)
+EMU_BINARY(Mul, a * b, false)
+EMU_BINARY(Div, a / b, true)
+EMU_BINARY(Max, a > b ? a : b, false)
+EMU_BINARY(Min, a < b ? a : b, false)
 // clang-format on
 #undef EMU_BINARY
 
@@ -215,7 +284,7 @@ EMU_SCALAR(Maxs, a > b ? a : b)
   template <typename T>                                                             \
   void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) { \
     detail::floating<T>(#NAME);                                                     \
-    detail::unary(#NAME, dst, src, count, [](auto a) { return EXPR; });             \
+    detail::unary(#NAME, dst, src, count, [](auto a) { return EXPR; }, true);       \
   }
 EMU_UNARY(Exp, std::exp(a))
 EMU_UNARY(Ln, std::log(a))

@@ -125,9 +125,13 @@ struct RaceChecks {
 // ------------------------------------------------------------------------------------------
 // Phase 2: the exponential race
 
+// The smallest normal float: a residual below it everywhere counts as empty (docs/design.md 3.3),
+// as hardware that flushes subnormals (Ascend's vector unit) sees no mass there.
+constexpr float kMinNormal = std::numeric_limits<float>::min();
+
 struct Race {
   int64_t token;  // argmax_v w[v] / e[v], first index on ties
-  bool positive;  // any w[v] > 0
+  bool positive;  // any w[v] >= kMinNormal
 };
 
 // w = max(p - q, 0), or p with w[skip] = 0 when q is null (one-hot proposal); skip = -1: w = p.
@@ -157,7 +161,7 @@ Race race(const float* p, const float* q, int64_t skip, const float* e, int64_t 
     if (c0 <= skip && skip < c1) {  // the one chunk holding the zeroed draft: plain scalar loop
       for (int64_t i = c0; i < c1; ++i) {
         const float w = weight(i), r = w / e[i];
-        positive |= w > 0;
+        positive |= w >= kMinNormal;
         if (r > best) best = r, token = i;
       }
       continue;
@@ -179,7 +183,7 @@ Race race(const float* p, const float* q, int64_t skip, const float* e, int64_t 
       token = i;
     }
   }
-  positive |= reduce_max(w_hi) > 0;
+  positive |= reduce_max(w_hi) >= kMinNormal;
   return {token, positive};
 }
 
@@ -249,7 +253,7 @@ Outcome sample(const Inputs& in, int64_t b, Failure* failure) {
     if (in.q && a < in.k && seen.q.probs() != kOk) return stop(Failure::kDraft, seen.q.probs());
     if (!seen.e.noise_ok()) return stop(Failure::kNoise, kOk);
   }
-  // a residual with no positive mass falls back to p (a < K only: the bonus race takes p already)
+  // an empty residual falls back to p (a < K only: the bonus race takes p already)
   o.token = r.positive || a == in.k ? r.token : race(p_row, nullptr, -1, in.e_row(b), in.v).token;
   return o;
 }

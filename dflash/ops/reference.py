@@ -163,7 +163,9 @@ def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, unif
                     residual[drafts[a]] = 0
                 else:
                     residual = (p[a] - draft_probs[b, a]).clamp(min=0)
-                if not bool((residual > 0).any()):
+                # empty: no value reaches the smallest normal float (hardware that flushes
+                # subnormals, as Ascend's vector unit does, sees no mass below it)
+                if not bool((residual >= torch.finfo(torch.float32).tiny).any()):
                     residual = p[a]
                 final = _noisy_argmax(residual, exponential[b])
             else:  # every draft accepted: the bonus token comes from p_K
