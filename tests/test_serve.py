@@ -329,7 +329,7 @@ def test_load_64_requests_from_16_streaming_clients(server, offline):
 def test_tree_steps_are_in_the_metrics(pair, offline):
     """Where verify rows cost nothing the engine verifies trees; /metrics shows how many nodes
     its request-steps verified and how deep they accepted, and the text is the target's own."""
-    llm = serving_engine(*pair, dtype="float32", max_num_seqs=2, speculation="tree")
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=2, speculation="adaptive")
     flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
     llm.planner = Planner(B - 1, flat)
     with Server(llm, NAME, port=0) as s:
@@ -392,12 +392,13 @@ def test_clients_that_disconnect_mid_stream_are_aborted(server, offline):
 
 def test_an_engine_error_fails_that_request_with_500_and_serving_goes_on(server, offline):
     llm = server.state.llm
-    original = llm.worker.step
 
-    def step(requests, *args, **kw):
-        if any(r.prompt_ids[:len(MAGIC)] == MAGIC for r in requests):
-            raise RuntimeError("injected fault")
-        return original(requests, *args, **kw)
+    def failing(original):   # a worker stage that fails any batch holding a MAGIC request
+        def stage(requests, *args, **kw):
+            if any(r.prompt_ids[:len(MAGIC)] == MAGIC for r in requests):
+                raise RuntimeError("injected fault")
+            return original(requests, *args, **kw)
+        return stage
 
     client = _client(server)
     want = offline.generate("still fine", SamplingParams(max_tokens=30))[0].text
@@ -407,7 +408,8 @@ def test_an_engine_error_fails_that_request_with_500_and_serving_goes_on(server,
         results["good"] = "".join(c.choices[0].text for c in client.completions.create(
             model=NAME, prompt="still fine", max_tokens=30, temperature=0, stream=True))
 
-    llm.worker.step = step
+    llm.worker.step, llm.worker.tree_step = failing(llm.worker.step), \
+        failing(llm.worker.tree_step)
     try:
         thread = threading.Thread(target=good)
         thread.start()
@@ -419,7 +421,7 @@ def test_an_engine_error_fails_that_request_with_500_and_serving_goes_on(server,
             assert e.value.status_code == 500 and "injected fault" in str(e.value)
         thread.join(60)
     finally:
-        del llm.worker.step
+        del llm.worker.step, llm.worker.tree_step
     assert results["good"] == want
     r = client.completions.create(model=NAME, prompt="still fine", max_tokens=30, temperature=0)
     assert r.choices[0].text == want

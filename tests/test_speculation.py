@@ -195,7 +195,7 @@ def test_any_verify_schedule_gives_target_only_greedy_output(models, max_num_seq
     # mixed lengths: requests join and leave while others run
     sp = [SamplingParams(max_tokens=8 + 7 * i) for i in range(len(PROMPTS))]
     expected = [o.token_ids for o in baseline.generate(PROMPTS, sp)]
-    llm = LLM(target, draft, dtype=dtype, max_num_seqs=max_num_seqs)
+    llm = LLM(target, draft, dtype=dtype, max_num_seqs=max_num_seqs, speculation="chain")
     llm.engine.planner = RandomVerifySchedule(max_num_seqs, k_max=B - 1)
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == expected
@@ -347,7 +347,7 @@ def test_auto_dtype_takes_the_fastest_measured_and_an_explicit_dtype_is_honoured
     assert LLM(target, draft, dtype="bfloat16", max_num_seqs=8).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         LLM(target, draft, dtype="int8")
-    with pytest.raises(ValueError, match="speculation must be 'adaptive', 'tree' or 'fixed'"):
+    with pytest.raises(ValueError, match="speculation must be 'adaptive', 'chain' or 'fixed'"):
         LLM(target, draft, speculation="sometimes")
 
 
@@ -363,7 +363,7 @@ def test_held_back_draft_context_gives_the_draft_what_an_immediate_write_gives(
     sp = [SamplingParams(max_tokens=8 + 7 * i) for i in range(len(PROMPTS))]
     hidden, tokens, flushed = {}, {}, []
     for defer in (True, False):
-        llm = LLM(target, draft, dtype="float32", max_num_seqs=4)
+        llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation="chain")
         llm.worker.defer_context = defer
         llm.worker.backlog_rows = backlog_rows
         llm.engine.planner = RandomVerifySchedule(3, k_max=B - 1)

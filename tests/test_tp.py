@@ -49,7 +49,8 @@ def _llm(target, draft, **kw):
     # fixed blocks: sampled tokens are compared, and an adaptive schedule follows each engine's
     # own cost model
     kw.setdefault("speculation", "fixed")
-    return LLM(target, draft, dtype="float32", max_num_seqs=3, draft_sampling="sample", **kw)
+    kw.setdefault("draft_sampling", "sample")
+    return LLM(target, draft, dtype="float32", max_num_seqs=3, **kw)
 
 
 # ------------------------------------------------------------------ shards (no processes)
@@ -139,6 +140,29 @@ def test_tp2_adaptive_calibrates_through_the_group_and_stays_exact(models):
         llm.engine.planner = RandomVerifySchedule(3, k_max=7)
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected
         assert llm.metrics()["draft_skipped_steps"] > 0
+        assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_tp2_trees_stay_exact_and_follow_rank_0(models):
+    """Tree steps under TP=2: every rank verifies rank 0's trees (the followers' own choice is
+    discarded) and commits rank 0's paths, so greedy output equals TP=1 target-only decoding
+    and seeded sampled requests reproduce TP=1's tree steps on the same schedule."""
+    target, draft = models["qwen3_moe"]   # a draft vocabulary: tree ids are mapped
+    greedy = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
+    sampled = SamplingParams(temperature=1.2, max_tokens=16, seed=5)
+    plain = LLM(target, None, dtype="float32", max_num_seqs=3)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
+    tp1 = _llm(target, draft, speculation="adaptive", draft_sampling="greedy")
+    tp1.engine.planner = RandomVerifySchedule(5, k_max=7)
+    expected_sampled = [o.token_ids for o in tp1.generate(PROMPTS, sampled)]
+    with _llm(target, draft, tp_size=2, tp_timeout=60, speculation="adaptive",
+              draft_sampling="greedy") as llm:
+        llm.engine.planner = RandomVerifySchedule(3, k_max=7)
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected
+        assert sum(map(sum, llm.engine.planner.trees)) > 0
+        llm.engine.planner = RandomVerifySchedule(5, k_max=7)
+        assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == expected_sampled
+        assert llm.metrics()["tree_steps"] > 0
         assert llm.allocator.num_free == llm.allocator.num_blocks
 
 

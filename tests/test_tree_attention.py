@@ -91,14 +91,16 @@ def test_the_cpu_kernel_matches_the_reference(case, dtype, hq, hkv, d, block_siz
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("context", [0, 45, 60])
-def test_tree_rows_equal_their_causal_path_bit_for_bit_in_the_kernel(dtype, context):
+@pytest.mark.parametrize("context, size", [(0, 24), (45, 24), (60, 24), (100, 70)])
+def test_tree_rows_equal_their_causal_path_bit_for_bit_in_the_kernel(dtype, context, size):
     """What keeps a tree step's output equal to target-only decoding: a node's row is computed
     as the same node at the end of a causal chain of its path (whose rows equal one-token
-    decoding), with its keys in the same tiles and lanes: bit for bit, in float32 too."""
-    args, parents = tree_case((context,), (24,), ("random",), dtype, 9, 3, 64, 16, seed=5)
+    decoding), with its keys in the same tiles and lanes: bit for bit, in float32 too. The
+    kernel reads the context's whole key tiles once for many rows (70 rows: more than one work
+    item) and the rest row by row."""
+    args, parents = tree_case((context,), (size,), ("random",), dtype, 9, 3, 64, 16, seed=5)
     tree = kernel(**args, tree_mask=tree_mask(parents))
-    for i in range(24):
+    for i in range(size):
         path = []
         j = i
         while j >= 0:

@@ -260,18 +260,20 @@ struct ItemView {
         rows(it.row_end - it.row_begin),
         m((it.row_end - it.row_begin) * a.group),
         table(a.block_table + it.seq * a.max_blocks) {}
-  // A row of a tree (an item of one row) sees its context, then its path: its ancestors and
-  // itself, the set bits of its mask row in order. Its keys are gathered in that order, so the
-  // row computes exactly what the last row of a causal chain of its path would.
+  // A tree's row sees its context, then its path: its ancestors and itself, the set bits of its
+  // mask row in order (`row`: the row's index among its sequence's new tokens). Its keys are read
+  // in that order, so the row computes exactly what the last row of a causal chain of its path
+  // would.
   std::vector<int32_t> path;
-  void trace_path(const Args<T>& a, const Item& it) {
-    const uint8_t* bits = a.tree_mask + (start + it.row_begin) * a.mask_width;
-    for (int32_t j = 0; j <= it.row_begin; ++j)
+  void trace_path(const Args<T>& a, int64_t row) {
+    const uint8_t* bits = a.tree_mask + (start + row) * a.mask_width;
+    path.clear();
+    for (int32_t j = 0; j <= row; ++j)
       if (bits[j / 8] >> (j % 8) & 1) path.push_back(j);
   }
-  // Keys [0, total) are visible to at least one row; row i sees keys [0, visible(i)).
+  // Keys [0, total) are visible to at least one row of a chain or block; row i sees keys
+  // [0, visible(i)).
   int64_t total(const Args<T>& a, const Item& it) const {
-    if (a.tree_mask) return ctx + static_cast<int64_t>(path.size());
     return ctx + (a.causal ? it.row_end : n);
   }
   // How many of the tile's keys [j0, j0 + keys) item row `row` sees.
@@ -325,31 +327,23 @@ void store_rows(const Args<T>& a, const Item& it, const ItemView<T>& v, const Sc
   }
 }
 
+// Keys [j_begin, j_end) (j_begin a multiple of kKeyTile) through scratch rows [r_begin, r_end):
+// scores, online softmax and P.V, one key tile at a time.
 template <typename T>
-void run_item(const Args<T>& a, const Item& it, Scratch& w) {
+void attend(const Args<T>& a, const Item& it, const ItemView<T>& v, Scratch& w, int64_t j_begin,
+            int64_t j_end, int64_t r_begin, int64_t r_end) {
   const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
-  ItemView<T> v(a, it);
-  if (a.tree_mask) v.trace_path(a, it);
-  const int64_t m = v.m;
-  // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
-  // adjacent in memory, so each query row contributes one contiguous [g * d] run.
-  for (int64_t i = 0; i < v.rows; ++i) {
-    const int64_t token = v.start + it.row_begin + i;
-    to_float(a.query + (token * a.hkv + h) * g * d, w.q.data() + i * g * d, g * d, a.scale);
-  }
-  reset_rows(w, m, dp);
   using Rows = std::array<const T*, kKeyTile>;
   auto tile_rows = [&](int64_t j0, int64_t count, Rows& krows, Rows& vrows) {
     kv_rows(a, v, h, j0, count, krows.data(), vrows.data());
   };
-  const int64_t total = v.total(a, it);
   Rows krows, vrows, next_krows, next_vrows;
-  tile_rows(0, std::min(kKeyTile, total), krows, vrows);
-  for (int64_t j0 = 0; j0 < total; j0 += kKeyTile) {
-    const int64_t keys = std::min(kKeyTile, total - j0);
+  tile_rows(j_begin, std::min(kKeyTile, j_end - j_begin), krows, vrows);
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyTile) {
+    const int64_t keys = std::min(kKeyTile, j_end - j0);
     // One head's context rows are scattered (a row every Hkv * D elements, blocks in table order),
     // which the hardware prefetcher does not follow: ask for the next tile while this one runs.
-    const int64_t next = std::min(kKeyTile, total - j0 - keys);
+    const int64_t next = std::min(kKeyTile, j_end - j0 - keys);
     tile_rows(j0 + keys, next, next_krows, next_vrows);
     for (int64_t t = 0; t < next; ++t) {
       prefetch(next_krows[t], d);
@@ -366,16 +360,46 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     // Row blocks go through scores, softmax and P.V in turn, so the K and V tiles stay in L1 and
     // each block's rows of Q, S and O are touched while hot.
     const int64_t vcols = round_up(keys, kV);
-    for_row_blocks<kScoreRows>(m, [&](auto block, int64_t row) {
-      constexpr int R = decltype(block)::value;
-      score_block<R>(w.q.data() + row * d, d, w.kt.data(), d, cols, w.s.data() + row * kKeyTile);
-      for (int64_t r = row; r < row + R; ++r) {
-        const int64_t visible = v.visible(a, it, r / g, j0, keys);
-        softmax_row(w.s.data() + r * kKeyTile, visible, vcols, w.row_ref[r],
-                    w.row_sum.data() + r * kV, w.o.data() + r * dp, dp);
-      }
-      pv(w.s.data() + row * kKeyTile, w.v.data(), keys, w.o.data() + row * dp, R, dp);
-    });
+    for_row_blocks<kScoreRows>(
+        r_end,
+        [&](auto block, int64_t row) {
+          constexpr int R = decltype(block)::value;
+          score_block<R>(w.q.data() + row * d, d, w.kt.data(), d, cols,
+                         w.s.data() + row * kKeyTile);
+          for (int64_t r = row; r < row + R; ++r) {
+            const int64_t visible = v.visible(a, it, r / g, j0, keys);
+            softmax_row(w.s.data() + r * kKeyTile, visible, vcols, w.row_ref[r],
+                        w.row_sum.data() + r * kV, w.o.data() + r * dp, dp);
+          }
+          pv(w.s.data() + row * kKeyTile, w.v.data(), keys, w.o.data() + row * dp, R, dp);
+        },
+        r_begin);
+  }
+}
+
+template <typename T>
+void run_item(const Args<T>& a, const Item& it, Scratch& w) {
+  const int64_t d = a.head_dim, g = a.group, h = it.head;
+  ItemView<T> v(a, it);
+  // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
+  // adjacent in memory, so each query row contributes one contiguous [g * d] run.
+  for (int64_t i = 0; i < v.rows; ++i) {
+    const int64_t token = v.start + it.row_begin + i;
+    to_float(a.query + (token * a.hkv + h) * g * d, w.q.data() + i * g * d, g * d, a.scale);
+  }
+  reset_rows(w, v.m, a.padded_dim);
+  if (!a.tree_mask) {
+    attend(a, it, v, w, 0, v.total(a, it), 0, v.m);
+  } else {
+    // The rows of a tree share their context: its whole key tiles go through every row at once.
+    // The rest (the context's last part tile and the row's path) goes through each row alone,
+    // with the tile boundaries a causal chain of its path would have.
+    const int64_t shared = v.ctx / kKeyTile * kKeyTile;
+    attend(a, it, v, w, 0, shared, 0, v.m);
+    for (int64_t i = 0; i < v.rows; ++i) {
+      v.trace_path(a, it.row_begin + i);
+      attend(a, it, v, w, shared, v.ctx + static_cast<int64_t>(v.path.size()), i * g, (i + 1) * g);
+    }
   }
   store_rows(a, it, v, w);
 }
@@ -455,7 +479,6 @@ template <typename T>
 void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
   const int64_t d = a.head_dim, dp = a.padded_dim, g = a.group, h = it.head;
   ItemView<T> v(a, it);
-  if (a.tree_mask) v.trace_path(a, it);
   const int64_t m = v.m;
   auto* q16 = reinterpret_cast<T*>(w.q16.data());
   constexpr int64_t kTile = kMatrixKeys;
@@ -495,14 +518,14 @@ void run_item_matrix(const Args<T>& a, const Item& it, Scratch& w) {
 
 template <typename T>
 bool uses_matrix_engine(const Args<T>& a, const Item& it) {
+  if (a.tree_mask) return false;  // a tree's rows see different keys (run_item)
   const int64_t tokens = it.row_end - it.row_begin;
   return a.causal ? tokens >= kMatrixCausalTokens : tokens * a.group >= kMatrixRows;
 }
 
 template <typename T>
 void run(const Args<T>& a, int64_t batch) {
-  // a tree's rows see different keys: one row per item (ItemView::trace_path)
-  const int64_t rows_per_item = a.tree_mask ? 1 : std::max<int64_t>(1, kQueryVectors / a.group);
+  const int64_t rows_per_item = std::max<int64_t>(1, kQueryVectors / a.group);
   std::vector<Item> items;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = a.cu[b + 1] - a.cu[b], ctx = a.context_lens[b];

@@ -38,8 +38,8 @@ class EngineArgs:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.speculation not in ("adaptive", "tree", "fixed"):
-            raise ValueError(f"speculation must be 'adaptive', 'tree' or 'fixed', "
+        if self.speculation not in ("adaptive", "chain", "fixed"):
+            raise ValueError(f"speculation must be 'adaptive', 'chain' or 'fixed', "
                              f"got {self.speculation!r}")
         if self.dtype != "auto":
             dtype = DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) \

@@ -55,7 +55,6 @@ class TPWorker(Worker):
 
     defer_context = False   # followers rebuild their requests every call: nothing can wait
     uniform_steps = False   # the ranks take rank 0's drafts and tokens, broadcast by the stages
-    trees = False           # tree steps are not replayed on the followers: TP verifies chains
 
     def __init__(self, tp: TensorParallel, group: Group | None, *worker_args):
         self.tp, self.group = tp, group
@@ -69,6 +68,12 @@ class TPWorker(Worker):
             raise ValueError("a scripted proposer is not supported with tensor parallelism")
         return self._lead("step", requests, lambda rs: super(TPWorker, self).step(
             rs, num_drafts=num_drafts), num_drafts)
+
+    def tree_step(self, requests: list[Request], depths: list[int], choose):
+        if self.proposer is not None:
+            raise ValueError("a scripted proposer is not supported with tensor parallelism")
+        return self._lead("tree_step", requests, lambda rs: super(TPWorker, self).tree_step(
+            rs, depths, choose), depths)
 
     def measure_costs(self, *args):
         if self.group is None:
@@ -91,6 +96,8 @@ class TPWorker(Worker):
         requests = [_mirror(s) for s in payload[0]]
         if kind == "prefill":
             self.prefill(requests)
+        elif kind == "tree_step":   # the sizes are rank 0's (grow_trees)
+            self.tree_step(requests, payload[1], lambda scores: [0] * len(scores))
         else:
             self.step(requests, num_drafts=payload[1])
 
@@ -98,6 +105,12 @@ class TPWorker(Worker):
     def draft_forward(self, inputs):
         drafts, probs = super().draft_forward(inputs)
         return self.tp.broadcast(drafts.contiguous()), probs
+
+    def grow_trees(self, *args):
+        return self.tp.broadcast_object(super().grow_trees(*args))
+
+    def accept_trees(self, *args):
+        return self.tp.broadcast_object(super().accept_trees(*args))
 
     @torch.inference_mode()
     def verify(self, *args):

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
+from . import tree
 from .args import EngineArgs, dtype_name
 from .loading import load
 from .processor import Processor
@@ -72,9 +73,8 @@ class LLMEngine:
                                    self.block_size, self.max_model_len, self.allocator)
         self.planner = None if self.cost_model is None or self.draft is None or \
             args.speculation == "fixed" else Planner(self.block_size - 1, self.cost_model)
-        # speculation="tree": adaptive sizes, trees of drafts where the batch allows (greedy)
-        self.trees = self.planner is not None and args.speculation == "tree" and \
-            self.worker.trees
+        # "adaptive" verifies trees of drafts where the worker can (section 4.6), "chain" chains
+        self.trees = self.planner is not None and args.speculation == "adaptive"
         self.stats = Stats(self.block_size)
         self.isolate_errors = isolate_errors
         self.waiting: deque[Request] = deque()
@@ -207,11 +207,13 @@ class LLMEngine:
     def _tree_step(self, running: list[Request], num_drafts: list[int]) -> None:
         """Sequences the planner lets draft verify trees sized by `Planner.choose_nodes`."""
         step_start = time.perf_counter()
-        ok, _, results = self._call(
-            lambda rs, ks: list(zip(*self.worker.tree_step(
-                rs, [k > 0 for k in ks], lambda scores: self.planner.choose_nodes(scores,
-                                                                                  len(rs))))),
-            running, num_drafts)
+
+        def run(rs: list[Request], ks: list[int]):
+            return list(zip(*self.worker.tree_step(
+                rs, tree.depth_limits(ks, self.block_size - 1),
+                lambda scores: self.planner.choose_nodes(scores, len(rs)))))
+
+        ok, _, results = self._call(run, running, num_drafts)
         if ok:
             trees, paths = [t for _, t, _ in results], [p for _, _, p in results]
             self.planner.observe_trees(ok, trees, paths, time.perf_counter() - step_start)
@@ -309,7 +311,7 @@ class LLMEngine:
             **self.stats.summary(),
             "dtype": dtype_name(self.dtype),
             "speculation": "none" if self.block_size == 1 else
-            "tree" if self.trees else "adaptive" if self.planner is not None else "fixed",
+            "adaptive" if self.trees else "chain" if self.planner is not None else "fixed",
             "tree_calibration": None if getattr(self.planner, "calibration", None) is None
             else self.planner.calibration.as_dict(),
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),

@@ -46,11 +46,12 @@ class LLM:
             num_experts). Release them with `close()` (or use the LLM as a context manager).
         tp_timeout: seconds a tensor-parallel collective waits for the other ranks before the
             run fails.
-        speculation: "adaptive" (default): every step, each sequence verifies the number of
-            drafts (0..B-1) that maximises expected tokens per second under `cost_model` and
-            its acceptance so far; the draft forward is skipped when none verifies any. "tree":
-            the same choice of which sequences draft, which then verify a tree of the
-            draft's best candidates, sized by the same cost model (docs/design.md 4.6).
+        speculation: "adaptive" (default): every step, the sequences whose drafts pay under
+            `cost_model` and their acceptance so far verify a tree of the draft's best
+            candidates, sized by the same cost model from the draft's own confidence
+            (docs/design.md 4.6); the draft forward is skipped when none would pay. Sampled
+            drafts (draft_sampling="sample") verify chains. "chain": each sequence verifies the
+            number of argmax drafts (0..B-1) that maximises expected tokens per second.
             "fixed": every sequence verifies all B-1 drafts (the published DFlash schedule).
         recalibrate: measure the cost model again instead of reading its cache (kept in
             $DFLASH_CALIBRATION_DIR, default ~/.cache/dflash/calibration).
@@ -59,7 +60,7 @@ class LLM:
     `tokenizer`, `dtype` (the torch dtype in use), `block_size`, `max_num_seqs`,
     `max_model_len`, `worker`, `allocator`, `cost_model` (`dflash.engine.cost_model.CostModel`,
     measured at start and cached; None for a target-only engine of a given dtype, which has
-    nothing to choose) and `planner` (the verify-length chooser, None unless adaptive).
+    nothing to choose) and `planner` (the verify-size chooser, None unless adaptive or chain).
     """
 
     def __init__(self, target, draft=None, dtype: str | torch.dtype = "auto",

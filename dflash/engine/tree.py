@@ -22,6 +22,7 @@ import numpy as np
 BINS = 20                 # calibration bins over the draft's path probability
 CALIBRATION_PRIOR = 4.0   # pseudo-observations of a bin's prior (the raw score)
 CALIBRATION_ALPHA = 0.01  # weight of one step in a bin's running counts
+EXTRA_DEPTH = 2           # levels a tree may reach beyond the planner's chain length
 
 
 @dataclass
@@ -63,6 +64,14 @@ def best_first(root: int, ids: list[list[int]], probs: list[list[float]], size: 
             base = tree.scores[parent]
             heapq.heappush(frontier, (-base * probs[d][r + 1], parent, d, r + 1))
     return tree
+
+
+def depth_limits(num_drafts: list[int], positions: int) -> list[int]:
+    """How deep each sequence's tree may reach: the chain length the planner chose from
+    per-position acceptance and cost (0: no draft pass) and EXTRA_DEPTH levels more, which a
+    confident draft's paths can use, within the block's `positions`. Positions beyond the
+    deepest limit skip the draft's lm_head and top-k, the tree step's own cost per level."""
+    return [min(k + EXTRA_DEPTH, positions) if k else 0 for k in num_drafts]
 
 
 def accept_greedy(tree: Tree, target_ids: list[int]) -> list[int]:

@@ -58,14 +58,13 @@ class Verified:
 # the draft-context features a sequence that stopped drafting may hold back: 1213 rows of the
 # bundled pair in bf16, 102 of a Qwen3-8B target's 5 captured layers
 BACKLOG_BYTES = 4 << 20
-MAX_TREE_NODES = 32   # draft nodes a sequence may verify in one tree step
+MAX_TREE_NODES = 64   # draft nodes a sequence may verify in one tree step
 TREE_TOP_K = 8        # candidate tokens per block position a tree may branch into
 
 
 class Worker:
     defer_context = True   # hold back the draft context of non-drafting sequences (see below)
     uniform_steps = True   # run uniform greedy steps as one decode_step (run_uniform_step)
-    trees = True           # tree steps are available (tree_step)
 
     def __init__(self, target: TargetModel, draft: DFlashDraft | None, num_kv_blocks: int,
                  kv_block_size: int, block_size: int, draft_sampling: str = "greedy"):
@@ -297,59 +296,28 @@ class Worker:
         """Whether a tree step can serve these requests: the draft model proposes, and its
         candidates are one-hot proposals (draft_sampling "greedy"; sampled drafts verify
         chains)."""
-        return self.trees and self.draft is not None and self.proposer is None and \
+        return self.draft is not None and self.proposer is None and \
             self.block_size > 1 and self.draft_sampling == "greedy"
 
     @torch.inference_mode()
-    def tree_step(self, requests: list[Request], drafting: list[bool], choose
+    def tree_step(self, requests: list[Request], depths: list[int], choose
                   ) -> tuple[list[list[int]], list[Tree], list[list[int]]]:
         """One decode step verifying a tree of drafts per sequence (docs/design.md 4.6).
 
-        The drafting requests get one draft pass; `choose(scores)` takes, per drafting request,
-        its candidate nodes' draft path probabilities in best-first order and returns how many
-        to verify. One target pass over every tree (rows: root, then nodes; a node attends to
-        its context, its ancestors and itself) gives the target's logits at every node; each
-        request accepts a path (greedy: along the argmax; sampled: `_accept_sampled`) and
-        commits it and the token after it. Returns the emitted tokens, the verified trees and
-        their accepted paths (node indices)."""
-        b = self.block_size
-        trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
-        chosen = [i for i, d in enumerate(drafting) if d]
-        if chosen:
-            reqs = [requests[i] for i in chosen]
-            self._flush_context(reqs)
-            inputs = self.block_inputs(reqs)
-            logits = draft_logits(self.target, self.draft, self.draft_head,
-                                  inputs.tokens.view(len(reqs), b), inputs.meta, self.draft_cache,
-                                  b - 1)
-            probs, ids = torch.softmax(logits.float(), -1).topk(
-                min(TREE_TOP_K, logits.shape[-1]), dim=-1)
-            if self.draft_vocab is not None:
-                ids = self.draft_vocab[ids]
-            probs, ids = probs.tolist(), ids.tolist()   # one host sync: the trees are host lists
-            # a tree's rows take the slots after the sequence's cached tokens: as many as its
-            # reservation has left (at least a block's, section 4.6)
-            room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in reqs]
-            full = [best_first(trees[i].tokens[0], ids[j], probs[j], min(MAX_TREE_NODES, room[j]))
-                    for j, i in enumerate(chosen)]
-            for i, tree, count in zip(chosen, full, choose([t.scores[1:] for t in full])):
-                trees[i] = tree.prefix(count + 1)
+        Requests of depth > 0 get trees that reach at most that deep (`grow_trees`); one target
+        pass over every tree (rows: root, then nodes; a node attends to its context, its
+        ancestors and itself) gives the target's logits at every node; each request accepts a
+        path (`accept_trees`) and commits it and the token after it. Returns the emitted tokens,
+        the verified trees and their accepted paths (node indices)."""
+        trees = self.grow_trees(requests, depths, choose)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
                               [len(t) for t in trees], self.kv_block_size, self.device,
                               self.num_kv_blocks, parents=[t.parents for t in trees])
         tokens = torch.tensor([tok for t in trees for tok in t.tokens], device=self.device)
         hidden, features = self.target(tokens, meta, self.target_cache, self.capture)
-        logits = self.target.logits(hidden)
-        target_ids = sampling.first_argmax(logits).tolist()   # the sync
-        emitted, paths, rows, start = [], [], [], 0
-        for r, t in zip(requests, trees):
-            if r.params.is_greedy:
-                path = accept_greedy(t, target_ids[start:start + len(t)])
-                bonus = target_ids[start + path[-1]]
-            else:
-                path, bonus = self._accept_sampled(r, t, logits[start:start + len(t)])
-            emitted.append([t.tokens[n] for n in path[1:]] + [bonus])
-            paths.append(path)
+        emitted, paths = self.accept_trees(requests, trees, self.target.logits(hidden))
+        rows, start = [], 0
+        for t, path in zip(trees, paths):
             rows.append([start + n for n in path])
             start += len(t)
         # the verify row whose slot the path's node at depth d belongs in: its root's row + d
@@ -365,6 +333,56 @@ class Worker:
         for r, path in zip(requests, paths):
             r.num_cached += len(path)
         return emitted, trees, paths
+
+    @torch.inference_mode()
+    def grow_trees(self, requests: list[Request], depths: list[int], choose) -> list[Tree]:
+        """Each request's tree: the root (its pending token) alone (depth 0), or the best-first
+        tree over one draft pass's top candidates at the first `depth` block positions, of the
+        size `choose(scores)` gives (scores: per drafting request, its candidate nodes' draft
+        path probabilities in best-first order). Only the deepest tree's positions go through
+        the draft's lm_head and top-k."""
+        b = self.block_size
+        trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
+        chosen = [i for i, d in enumerate(depths) if d > 0]
+        if not chosen:
+            return trees
+        reqs = [requests[i] for i in chosen]
+        self._flush_context(reqs)
+        inputs = self.block_inputs(reqs)
+        logits = draft_logits(self.target, self.draft, self.draft_head,
+                              inputs.tokens.view(len(reqs), b), inputs.meta, self.draft_cache,
+                              max(depths[i] for i in chosen))
+        probs, ids = torch.softmax(logits.float(), -1).topk(
+            min(TREE_TOP_K, logits.shape[-1]), dim=-1)
+        if self.draft_vocab is not None:
+            ids = self.draft_vocab[ids]
+        probs, ids = probs.tolist(), ids.tolist()   # one host sync: the trees are host lists
+        # a tree's rows take the slots after the sequence's cached tokens: as many as its
+        # reservation has left (at least a block's, section 4.6)
+        room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in reqs]
+        full = [best_first(trees[i].tokens[0], ids[j][:depths[i]], probs[j][:depths[i]],
+                           min(MAX_TREE_NODES, room[j])) for j, i in enumerate(chosen)]
+        for i, tree, count in zip(chosen, full, choose([t.scores[1:] for t in full])):
+            trees[i] = tree.prefix(count + 1)
+        return trees
+
+    def accept_trees(self, requests: list[Request], trees: list[Tree], logits: torch.Tensor
+                     ) -> tuple[list[list[int]], list[list[int]]]:
+        """Per request, the tokens it emits and its accepted path (node indices from the root),
+        from the target's logits at every node (rows of the trees one after another): greedy
+        along the argmax, sampled by `_accept_sampled`."""
+        target_ids = sampling.first_argmax(logits).tolist()   # the sync
+        emitted, paths, start = [], [], 0
+        for r, t in zip(requests, trees):
+            if r.params.is_greedy:
+                path = accept_greedy(t, target_ids[start:start + len(t)])
+                bonus = target_ids[start + path[-1]]
+            else:
+                path, bonus = self._accept_sampled(r, t, logits[start:start + len(t)])
+            emitted.append([t.tokens[n] for n in path[1:]] + [bonus])
+            paths.append(path)
+            start += len(t)
+        return emitted, paths
 
     def _accept_sampled(self, r: Request, t: Tree, logits: torch.Tensor
                         ) -> tuple[list[int], int]:
