@@ -255,27 +255,3 @@ DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_fp32, float)
 DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_fp16, half)
 DFLASH_CONTEXT_KV_KERNEL(dflash_context_kv_bf16, bfloat16_t)
 #undef DFLASH_CONTEXT_KV_KERNEL
-
-#ifndef DFLASH_ASCEND_EMU
-// Host-side entry for csrc/npu/ (dtype 0: float32, 1: float16, 2: bfloat16). The <<<>>> launch
-// needs the Ascend C toolchain, so this wrapper is compiled with the kernels.
-extern "C" void dflash_context_kv_launch(uint32_t block_dim, void* stream, int dtype, uint8_t* kv,
-                                         uint8_t* k_norm_weight, uint8_t* positions,
-                                         uint8_t* cos_sin, uint8_t* slot_mapping,
-                                         uint8_t* cache_table, ContextKvTiling tiling) {
-  switch (dtype) {
-    case 0:
-      dflash_context_kv_fp32<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin,
-                                                             slot_mapping, cache_table, tiling);
-      break;
-    case 1:
-      dflash_context_kv_fp16<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin,
-                                                             slot_mapping, cache_table, tiling);
-      break;
-    default:
-      dflash_context_kv_bf16<<<block_dim, nullptr, stream>>>(kv, k_norm_weight, positions, cos_sin,
-                                                             slot_mapping, cache_table, tiling);
-      break;
-  }
-}
-#endif

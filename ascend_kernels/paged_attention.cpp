@@ -355,32 +355,3 @@ DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp32, float)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_fp16, half)
 DFLASH_PAGED_ATTENTION_KERNEL(dflash_paged_attention_bf16, bfloat16_t)
 #undef DFLASH_PAGED_ATTENTION_KERNEL
-
-#ifndef DFLASH_ASCEND_EMU
-// Host-side entry for csrc/npu/ (dtype 0: float32, 1: float16, 2: bfloat16); the <<<>>> launch
-// needs the Ascend C toolchain, so this wrapper is compiled with the kernels.
-extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, int dtype,
-                                              uint8_t* query, uint8_t* key, uint8_t* value,
-                                              uint8_t* key_cache, uint8_t* value_cache,
-                                              uint8_t* block_table, uint8_t* context_lens,
-                                              uint8_t* cu_query_lens, uint8_t* tree_mask,
-                                              uint8_t* out, PagedAttentionTiling tiling) {
-  switch (dtype) {
-    case 0:
-      dflash_paged_attention_fp32<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          tree_mask, out, tiling);
-      break;
-    case 1:
-      dflash_paged_attention_fp16<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          tree_mask, out, tiling);
-      break;
-    default:
-      dflash_paged_attention_bf16<<<block_dim, nullptr, stream>>>(
-          query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
-          tree_mask, out, tiling);
-      break;
-  }
-}
-#endif

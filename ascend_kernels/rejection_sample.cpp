@@ -262,17 +262,3 @@ extern "C" __global__ __aicore__ void dflash_rejection_sample(
                num_accepted, tiling);
   sampler.Process();
 }
-
-#ifndef DFLASH_ASCEND_EMU
-// Host-side entry for csrc/npu/: the <<<>>> launch must be compiled by the Ascend C toolchain.
-extern "C" void dflash_rejection_sample_launch(uint32_t block_dim, void* stream, uint8_t* draft_ids,
-                                               uint8_t* draft_probs, uint8_t* target_probs,
-                                               uint8_t* is_greedy, uint8_t* uniform,
-                                               uint8_t* exponential, uint8_t* out_ids,
-                                               uint8_t* num_accepted,
-                                               RejectionSampleTiling tiling) {
-  dflash_rejection_sample<<<block_dim, nullptr, stream>>>(draft_ids, draft_probs, target_probs,
-                                                          is_greedy, uniform, exponential, out_ids,
-                                                          num_accepted, tiling);
-}
-#endif

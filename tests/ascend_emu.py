@@ -46,7 +46,7 @@ def ops():
         extra_include_paths=[str(i) for i in INCLUDES],
         # C++17: what the Ascend C compiler accepts, so kernels cannot drift past it.
         # -ffp-contract=off: no fused multiply-adds; every vector op rounds like the reference.
-        extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off", "-DDFLASH_ASCEND_EMU",
+        extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off",
                       f"-DDFLASH_EMU_HEADERS={_headers_digest()}"],
         build_directory=str(build),
         is_python_module=False,

@@ -5,6 +5,8 @@
 //   npu_launcher_check stream    prints which thread's stream a launch got ("caller")
 //   npu_launcher_check guards    calls each launcher, prints the device each one guarded
 //   npu_launcher_check platform  prints the error of a launcher when CANN has no platform
+//   npu_launcher_check status    launches whose aclrtlaunch_* fail: prints the task's error (the
+//                                launcher's own report goes to stderr)
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -33,6 +35,7 @@ namespace at_npu::native {
 namespace {
 std::function<int()> handler;
 }
+// torch_npu fails an op's task whose custom handler returns non-zero
 OpCommand& OpCommand::Name(const std::string&) {
   return *this;
 }
@@ -41,8 +44,10 @@ OpCommand& OpCommand::SetCustomHandler(std::function<int()> func) {
   return *this;
 }
 void OpCommand::Run() {
-  std::thread([] { handler(); }).join();
-}  // the task queue's thread
+  int status = 0;
+  std::thread([&status] { status = handler(); }).join();  // the task queue's thread
+  TORCH_CHECK(status == 0, "task failed: its handler returned ", status);
+}
 }  // namespace at_npu::native
 
 namespace platform_ascendc {
@@ -66,40 +71,65 @@ void GetSumMaxMinTmpSize(const uint32_t, const uint32_t, const bool, uint32_t& m
 }
 }  // namespace AscendC
 
-extern "C" {
-void dflash_context_kv_launch(uint32_t, void*, int, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
-                              uint8_t*, uint8_t*, ContextKvTiling) {}
-void dflash_paged_attention_launch(uint32_t, void*, int, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
-                                   uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
-                                   PagedAttentionTiling) {}
-void dflash_rejection_sample_launch(uint32_t, void*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
-                                    uint8_t*, uint8_t*, uint8_t*, uint8_t*, RejectionSampleTiling) {
-}
-}
+// the generated launch functions: they return `launch_status` (the runtime's status)
+uint32_t launch_status = 0;
+#define DFLASH_STUB_LAUNCH(KERNEL, ...)                                          \
+  extern "C" uint32_t aclrtlaunch_##KERNEL(uint32_t, aclrtStream, __VA_ARGS__) { \
+    return launch_status;                                                        \
+  }
+#define DFLASH_GM6 void*, void*, void*, void*, void*, void*
+DFLASH_STUB_LAUNCH(dflash_context_kv_fp32, DFLASH_GM6, ContextKvTiling)
+DFLASH_STUB_LAUNCH(dflash_context_kv_fp16, DFLASH_GM6, ContextKvTiling)
+DFLASH_STUB_LAUNCH(dflash_context_kv_bf16, DFLASH_GM6, ContextKvTiling)
+DFLASH_STUB_LAUNCH(dflash_paged_attention_fp32, DFLASH_GM6, void*, void*, void*, void*,
+                   PagedAttentionTiling)
+DFLASH_STUB_LAUNCH(dflash_paged_attention_fp16, DFLASH_GM6, void*, void*, void*, void*,
+                   PagedAttentionTiling)
+DFLASH_STUB_LAUNCH(dflash_paged_attention_bf16, DFLASH_GM6, void*, void*, void*, void*,
+                   PagedAttentionTiling)
+DFLASH_STUB_LAUNCH(dflash_rejection_sample, DFLASH_GM6, void*, void*, RejectionSampleTiling)
+#undef DFLASH_GM6
+#undef DFLASH_STUB_LAUNCH
 
 namespace {
 
-void call_every_launcher() {
+// Each launcher once; with `report`, each one's error is printed and the next one runs.
+void call_every_launcher(bool report = false) {
   const auto f = at::TensorOptions().dtype(at::kFloat);
   const auto i32 = at::TensorOptions().dtype(at::kInt);
   const auto i64 = at::TensorOptions().dtype(at::kLong);
+  auto call = [report](auto launcher) {
+    if (!report) return launcher();
+    try {
+      launcher();
+      std::printf("no error\n");
+    } catch (const c10::Error& e) {
+      std::printf("%s\n", e.what_without_backtrace());
+    }
+  };
   // paged_attention: one sequence of 2 new tokens, no context
-  dflash::npu::paged_attention_npu(
-      at::randn({2, 2, 8}, f), at::randn({2, 1, 8}, f), at::randn({2, 1, 8}, f),
-      at::randn({2, 4, 1, 8}, f), at::randn({2, 4, 1, 8}, f), at::zeros({1, 1}, i32),
-      at::zeros({1}, i32), at::tensor({0, 2}, i32), 0.35, true, false, std::nullopt);
+  call([&] {
+    dflash::npu::paged_attention_npu(
+        at::randn({2, 2, 8}, f), at::randn({2, 1, 8}, f), at::randn({2, 1, 8}, f),
+        at::randn({2, 4, 1, 8}, f), at::randn({2, 4, 1, 8}, f), at::zeros({1, 1}, i32),
+        at::zeros({1}, i32), at::tensor({0, 2}, i32), 0.35, true, false, std::nullopt);
+  });
   // rejection_sample: one greedy row of 2 drafts over 5 tokens
-  dflash::npu::rejection_sample_npu(at::zeros({1, 2}, i64), std::nullopt,
-                                    at::softmax(at::randn({1, 3, 5}, f), -1),
-                                    at::ones({1}, at::TensorOptions().dtype(at::kBool)),
-                                    at::zeros({1, 2}, f), at::ones({1, 5}, f), false);
+  call([&] {
+    dflash::npu::rejection_sample_npu(at::zeros({1, 2}, i64), std::nullopt,
+                                      at::softmax(at::randn({1, 3, 5}, f), -1),
+                                      at::ones({1}, at::TensorOptions().dtype(at::kBool)),
+                                      at::zeros({1, 2}, f), at::ones({1, 5}, f), false);
+  });
   // context_kv: 2 tokens, 1 layer, 1 kv head of 8
-  const std::vector<at::Tensor> keys{at::zeros({2, 4, 1, 8}, f)};
-  const std::vector<at::Tensor> values{at::zeros({2, 4, 1, 8}, f)};
-  dflash::npu::context_kv_npu(at::randn({2, 8}, f), std::nullopt, at::ones({8}, f),
-                              at::randn({16, 8}, f), std::nullopt, at::ones({1, 8}, f),
-                              at::tensor({0, 1}, i64), at::randn({16, 8}, f),
-                              at::tensor({0, 1}, i64), keys, values, 1e-6, false);
+  call([&] {
+    const std::vector<at::Tensor> keys{at::zeros({2, 4, 1, 8}, f)};
+    const std::vector<at::Tensor> values{at::zeros({2, 4, 1, 8}, f)};
+    dflash::npu::context_kv_npu(at::randn({2, 8}, f), std::nullopt, at::ones({8}, f),
+                                at::randn({16, 8}, f), std::nullopt, at::ones({1, 8}, f),
+                                at::tensor({0, 1}, i64), at::randn({16, 8}, f),
+                                at::tensor({0, 1}, i64), keys, values, 1e-6, false);
+  });
 }
 
 }  // namespace
@@ -110,11 +140,17 @@ int main(int argc, char** argv) {
     static int caller_stream;
     c10_npu::current_stream = &caller_stream;
     void* seen = nullptr;
-    dflash::ascend::run_on_stream("check", [&seen](void* stream) { seen = stream; });
+    dflash::ascend::run_on_stream("check", [&seen](void* stream) {
+      seen = stream;
+      return 0u;
+    });
     std::printf("%s\n", seen == &caller_stream ? "caller" : "other");
   } else if (mode == "guards") {
     call_every_launcher();
     for (const auto& device : c10_npu::guarded) std::printf("%s\n", device.c_str());
+  } else if (mode == "status") {
+    launch_status = 507015;
+    call_every_launcher(true);
   } else if (mode == "platform") {
     platform_ascendc::available = false;
     try {

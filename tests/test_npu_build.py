@@ -168,7 +168,8 @@ def launcher_check(tmp_path_factory):
                              *libs, "-lc10", "-ltorch_cpu", "-ltorch", "-pthread"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    return lambda mode: subprocess.run([str(program), mode], capture_output=True, text=True,
+    return lambda mode: subprocess.run([str(program), mode], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True,
                                        timeout=60).stdout.strip()
 
 
@@ -182,6 +183,16 @@ def test_every_launcher_guards_its_inputs_device(launcher_check):
     """The stream, the platform queries and the allocations of a launch are the current device's:
     each launcher makes its inputs' device current first (c10_npu::OptionalNPUGuard)."""
     assert launcher_check("guards").splitlines() == ["cpu"] * 3
+
+
+def test_a_failed_launch_fails_the_op_and_names_it(launcher_check):
+    """Each launcher launches through the generated aclrtlaunch_<kernel>, which returns the
+    runtime's status: a failure is reported with the op's name and status, and the handler
+    returns it, so torch_npu's task fails (it never did: the handler returned 0)."""
+    lines = launcher_check("status").splitlines()
+    for op in ("paged_attention", "rejection_sample", "context_kv"):
+        assert f"dflash: launching dflash::{op} failed: aclrtlaunch returned 507015" in lines
+    assert sum("task failed: its handler returned 507015" in line for line in lines) == 3
 
 
 def test_a_missing_cann_platform_is_a_clear_error(launcher_check):

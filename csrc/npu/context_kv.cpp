@@ -1,11 +1,10 @@
 // NPU launcher of context_kv: the GEMMs run as torch_npu (aclnn) ops in prepare_context_kv, then
 // the Ascend C epilogue kernel (ascend_kernels/context_kv.cpp) normalizes, rotates and scatters.
 #include "npu/npu_common.h"
-
-extern "C" void dflash_context_kv_launch(uint32_t block_dim, void* stream, int dtype, uint8_t* kv,
-                                         uint8_t* k_norm_weight, uint8_t* positions,
-                                         uint8_t* cos_sin, uint8_t* slot_mapping,
-                                         uint8_t* cache_table, ContextKvTiling tiling);
+// the launch functions ascendc_library generates for the kernels, after the tiling struct
+#include "aclrtlaunch_dflash_context_kv_bf16.h"
+#include "aclrtlaunch_dflash_context_kv_fp16.h"
+#include "aclrtlaunch_dflash_context_kv_fp32.h"
 
 namespace dflash::npu {
 
@@ -22,12 +21,13 @@ void context_kv_npu(const at::Tensor& hidden, const std::optional<at::Tensor>& f
                               k_norm_weight, positions, cos_sin_cache, slot_mapping, key_caches,
                               value_caches, eps, check, vector_cores(), ub_bytes());
   if (!l.block_dim) return;
-  run_on_stream(
-      "dflash::context_kv", [l](void* stream) {  // the caches are written through cache_table
-        dflash_context_kv_launch(l.block_dim, stream, l.dtype_code, gm_ptr(l.kv),
-                                 gm_ptr(l.k_norm_weight), gm_ptr(l.positions), gm_ptr(l.cos_sin),
-                                 gm_ptr(l.slots), gm_ptr(l.cache_table), l.tiling);
-      });
+  const auto kernel = by_dtype(l.dtype_code, ACLRT_LAUNCH_KERNEL(dflash_context_kv_fp32),
+                               ACLRT_LAUNCH_KERNEL(dflash_context_kv_fp16),
+                               ACLRT_LAUNCH_KERNEL(dflash_context_kv_bf16));
+  run_on_stream("dflash::context_kv", [l, kernel](void* stream) {  // caches: through cache_table
+    return kernel(l.block_dim, stream, gm_ptr(l.kv), gm_ptr(l.k_norm_weight), gm_ptr(l.positions),
+                  gm_ptr(l.cos_sin), gm_ptr(l.slots), gm_ptr(l.cache_table), l.tiling);
+  });
 }
 
 }  // namespace dflash::npu

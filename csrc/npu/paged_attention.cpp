@@ -1,13 +1,10 @@
 // NPU launcher of the paged_attention Ascend C kernel (ascend_kernels/paged_attention.cpp).
 #include "npu/npu_common.h"
 #include "tiling/tiling_api.h"
-
-extern "C" void dflash_paged_attention_launch(uint32_t block_dim, void* stream, int dtype,
-                                              uint8_t* query, uint8_t* key, uint8_t* value,
-                                              uint8_t* key_cache, uint8_t* value_cache,
-                                              uint8_t* block_table, uint8_t* context_lens,
-                                              uint8_t* cu_query_lens, uint8_t* tree_mask,
-                                              uint8_t* out, PagedAttentionTiling tiling);
+// the launch functions ascendc_library generates for the kernels, after the tiling struct
+#include "aclrtlaunch_dflash_paged_attention_bf16.h"
+#include "aclrtlaunch_dflash_paged_attention_fp16.h"
+#include "aclrtlaunch_dflash_paged_attention_fp32.h"
 
 namespace dflash::npu {
 
@@ -31,11 +28,14 @@ at::Tensor paged_attention_npu(const at::Tensor& query, const at::Tensor& key,
                                    context_lens, cu_query_lens, scale, causal, check, tree_mask,
                                    vector_cores(), ub_bytes(), device_sum_workspace);
   if (l.block_dim) {
-    run_on_stream("dflash::paged_attention", [l](void* stream) {  // the copy keeps them alive
-      dflash_paged_attention_launch(
-          l.block_dim, stream, l.dtype_code, gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value),
-          gm_ptr(l.key_cache), gm_ptr(l.value_cache), gm_ptr(l.block_table), gm_ptr(l.context_lens),
-          gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask), gm_ptr(l.out), l.tiling);
+    const auto kernel = by_dtype(l.dtype_code, ACLRT_LAUNCH_KERNEL(dflash_paged_attention_fp32),
+                                 ACLRT_LAUNCH_KERNEL(dflash_paged_attention_fp16),
+                                 ACLRT_LAUNCH_KERNEL(dflash_paged_attention_bf16));
+    run_on_stream("dflash::paged_attention", [l, kernel](void* stream) {  // the copy keeps them
+      return kernel(l.block_dim, stream, gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value),
+                    gm_ptr(l.key_cache), gm_ptr(l.value_cache), gm_ptr(l.block_table),
+                    gm_ptr(l.context_lens), gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask),
+                    gm_ptr(l.out), l.tiling);
     });
   }
   return l.out;

@@ -1,11 +1,7 @@
 // NPU launcher of the rejection_sample Ascend C kernel (ascend_kernels/rejection_sample.cpp).
 #include "npu/npu_common.h"
-
-extern "C" void dflash_rejection_sample_launch(uint32_t block_dim, void* stream, uint8_t* draft_ids,
-                                               uint8_t* draft_probs, uint8_t* target_probs,
-                                               uint8_t* is_greedy, uint8_t* uniform,
-                                               uint8_t* exponential, uint8_t* out_ids,
-                                               uint8_t* num_accepted, RejectionSampleTiling tiling);
+// the launch function ascendc_library generates for the kernel, after the tiling struct
+#include "aclrtlaunch_dflash_rejection_sample.h"
 
 namespace dflash::npu {
 
@@ -19,13 +15,12 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_npu(
   auto l = prepare_rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                     exponential, check, vector_cores(), ub_bytes());
   if (l.block_dim) {
-    run_on_stream("dflash::rejection_sample",
-                  [l](void* stream) {  // the copy keeps the tensors alive
-                    dflash_rejection_sample_launch(
-                        l.block_dim, stream, gm_ptr(l.draft_ids), gm_ptr(l.draft_probs),
-                        gm_ptr(l.target_probs), gm_ptr(l.is_greedy), gm_ptr(l.uniform),
-                        gm_ptr(l.exponential), gm_ptr(l.out_ids), gm_ptr(l.num_accepted), l.tiling);
-                  });
+    run_on_stream("dflash::rejection_sample", [l](void* stream) {  // the copy keeps them alive
+      return ACLRT_LAUNCH_KERNEL(dflash_rejection_sample)(
+          l.block_dim, stream, gm_ptr(l.draft_ids), gm_ptr(l.draft_probs), gm_ptr(l.target_probs),
+          gm_ptr(l.is_greedy), gm_ptr(l.uniform), gm_ptr(l.exponential), gm_ptr(l.out_ids),
+          gm_ptr(l.num_accepted), l.tiling);
+    });
   }
   return {l.out_ids, l.num_accepted};
 }

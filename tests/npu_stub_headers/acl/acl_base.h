@@ -1,0 +1,3 @@
+// Stub for the syntax check of csrc/npu (see ../README.md).
+#pragma once
+typedef void* aclrtStream;
