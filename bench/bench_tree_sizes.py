@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's
 from bench.common import write  # noqa: E402
 from dflash import LLM, SamplingParams, assets  # noqa: E402
 from dflash.bench import load_dataset  # noqa: E402
-from dflash.engine.worker import MAX_TREE_NODES  # noqa: E402
+from dflash.engine.tree import MAX_NODES  # noqa: E402
 
 SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
 
@@ -28,6 +28,9 @@ class FixedSizes:
 
     def plan(self, requests):
         return [self.drafts] * len(requests)
+
+    def tree_size(self):
+        return self.nodes
 
     def choose_nodes(self, scores, sequences):
         return [min(self.nodes, len(s)) for s in scores]
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     chain, tree = (LLM(target, draft, speculation=s, **kw) for s in ("chain", "adaptive"))
     positions = chain.block_size - 1
     reference, rows = None, []
-    for n in [s for s in SIZES if s <= MAX_TREE_NODES]:
+    for n in [s for s in SIZES if s <= MAX_NODES]:
         row = {"verify rows (drafts or nodes)": n}
         for name, llm, planner in (("chain", chain, FixedSizes(n) if n <= positions else None),
                                    ("tree", tree, FixedSizes(positions, n))):

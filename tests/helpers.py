@@ -6,6 +6,8 @@ import random
 
 import torch
 
+from dflash.engine import tree
+
 TINY_TARGETS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
@@ -217,6 +219,9 @@ class RandomVerifySchedule:
 
     def observe_time(self, *args):
         pass
+
+    def tree_size(self):
+        return tree.MAX_NODES
 
     def choose_nodes(self, scores, sequences):
         counts = [self.rng.choice([0, 1, 2, 5, 15, len(s)]) for s in scores]

@@ -11,8 +11,7 @@ import torch
 from dflash import LLM, SamplingParams
 from dflash.engine import tree
 from dflash.engine.cost_model import CostModel
-from dflash.engine.speculation import Planner
-from dflash.engine.worker import MAX_TREE_NODES
+from dflash.engine.speculation import TREE_MARGIN, Planner
 
 from helpers import (
     RandomVerifySchedule,
@@ -100,6 +99,21 @@ def test_flat_costs_grow_trees_and_steep_ones_take_none():
     assert tree.choose_nodes(gains, lambda rows: np.asarray(rows, dtype=float)) == [0]
 
 
+def test_the_planner_offers_twice_the_nodes_it_took_lately():
+    """Building candidates costs per node: the planner offers twice what a sequence took lately
+    plus a margin, shrinking while it takes none and doubling when it takes every one."""
+    steep = CostModel({1: 1e-3, 64: 1.0}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
+    flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
+    planner = Planner(B - 1, steep)
+    assert planner.tree_size() == tree.MAX_NODES
+    for _ in range(tree.MAX_NODES):
+        assert planner.choose_nodes([[0.5] * planner.tree_size()], 1) == [0]
+    assert planner.tree_size() == TREE_MARGIN
+    planner.cost_model = flat
+    assert planner.choose_nodes([[0.9] * planner.tree_size()], 1) == [TREE_MARGIN]
+    assert planner.tree_size() == 3 * TREE_MARGIN
+
+
 def test_calibration_learns_acceptance_by_score():
     cal = tree.Calibration()
     assert cal([0.95])[0] == pytest.approx(0.975)   # starts at the draft's own probability
@@ -180,7 +194,7 @@ def test_the_planner_grows_trees_where_rows_are_free_and_chain_keeps_chains(mode
     assert [o.token_ids for o in outs] == expected
     m = llm.metrics()
     assert m["speculation"] == "adaptive" and m["tree_steps"] > 0
-    assert max(m["tree_node_histogram"]) == MAX_TREE_NODES
+    assert max(m["tree_node_histogram"]) == tree.MAX_NODES
     assert m["tree_calibration"]["acceptance"] != tree.Calibration().as_dict()["acceptance"]
     chain = LLM(*models, dtype="float32", max_num_seqs=2, speculation="chain")
     chain.engine.planner = Planner(B - 1, flat)
@@ -200,6 +214,9 @@ class FullTrees(RandomVerifySchedule):
 
     def plan(self, requests):
         return [self.k_max] * len(requests)
+
+    def tree_size(self):
+        return 32
 
     def choose_nodes(self, scores, sequences):
         return [len(s) for s in scores]

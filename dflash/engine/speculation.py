@@ -33,6 +33,7 @@ TIME_ALPHA = 0.05       # weight of one step in the time correction's moments
 TIME_RIDGE = 0.01       # pull of the calibration (a = b = 1), relative to each part's own data
 TIME_OUTLIER = 4.0      # a step is counted as at most this many times its prediction (or 1/x)
 TIME_LIMITS = (0.1, 100.0)   # how far the fit may move a and b from the calibration
+TREE_MARGIN = 8         # candidate nodes built beyond twice the most a sequence took lately
 
 
 class Acceptance:
@@ -169,6 +170,7 @@ class Planner:
         self._probe = 0
         self.time = TimeCorrection()
         self.calibration = tree.Calibration()
+        self._largest = tree.MAX_NODES   # the most nodes a sequence took lately (tree_size)
 
     def plan(self, requests) -> list[int]:
         estimates = [self._estimate(r.request_id) for r in requests]
@@ -199,6 +201,12 @@ class Planner:
         self.time.observe(decode, float(extra[sum(num_drafts)] + draft[
             sum(k > 0 for k in num_drafts), max(num_drafts, default=0)]), seconds)
 
+    def tree_size(self) -> int:
+        """Candidate nodes to build per drafting sequence: twice the most a sequence took
+        lately, and a margin (building costs per node, and the chooser seldom takes more than it
+        lately did; one that takes every candidate doubles the next offer)."""
+        return min(tree.MAX_NODES, 2 * self._largest + TREE_MARGIN)
+
     def choose_nodes(self, scores: list[list[float]], sequences: int) -> list[int]:
         """Tree sizes for the drafting sequences of a step over `sequences` sequences, from
         their candidates' draft path probabilities (best-first order), calibrated, and the
@@ -206,18 +214,23 @@ class Planner:
         decode = float(self.cost_model.decode(sequences))
         draft = float(self.cost_model.draft(len(scores)))
         a, b = self.time.a, self.time.b
-        return tree.choose_nodes(
+        counts = tree.choose_nodes(
             [self.calibration(s) for s in scores],
             lambda rows: a * decode + b * (self.cost_model.extra(sequences, rows) + draft),
             sequences)
+        self._largest = max(max(counts, default=0), self._largest - 1)
+        return counts
 
     def observe_trees(self, requests, trees, paths, seconds: float) -> None:
         """Learn from a tree step: the calibration from every verified node, the per-position
         acceptance as for a chain as deep as the tree, the time correction from its rows."""
+        scores, accepted = [], []
         for t, path in zip(trees, paths):
-            if len(t) > 1:
-                on_path = set(path)
-                self.calibration.observe(t.scores[1:], [n in on_path for n in range(1, len(t))])
+            on_path = set(path)
+            scores += t.scores[1:]
+            accepted += [n in on_path for n in range(1, len(t))]
+        if scores:
+            self.calibration.observe(scores, accepted)
         self.observe(requests, [max(t.depths) for t in trees], [len(p) - 1 for p in paths])
         n, drafting = len(trees), sum(len(t) > 1 for t in trees)
         rows = sum(len(t) for t in trees)

@@ -23,6 +23,7 @@ BINS = 20                 # calibration bins over the draft's path probability
 CALIBRATION_PRIOR = 4.0   # pseudo-observations of a bin's prior (the raw score)
 CALIBRATION_ALPHA = 0.01  # weight of one step in a bin's running counts
 EXTRA_DEPTH = 2           # levels a tree may reach beyond the planner's chain length
+MAX_NODES = 64            # draft nodes a sequence may verify in one tree step
 
 
 @dataclass
@@ -132,16 +133,15 @@ def choose_nodes(gains: list[list[float]], step_seconds, sequences: int | None =
     n = len(gains) if sequences is None else sequences
     # a calibrated gain may exceed its parent's: capping by the ones before keeps every choice a
     # prefix of each row, hence a tree
-    flat = [(g, i) for i, row in enumerate(gains) for g in np.minimum.accumulate(row)]
-    if not flat:
+    rows = [np.minimum.accumulate(np.asarray(row, dtype=np.float64)) for row in gains]
+    sizes = [len(row) for row in rows]
+    if not sum(sizes):
         return [0] * len(gains)
-    order = sorted(range(len(flat)), key=lambda j: -flat[j][0])   # stable: rows keep their order
-    values = np.array([flat[j][0] for j in order])
-    totals = np.arange(len(values) + 1)
-    rates = (n + np.concatenate([[0.0], np.cumsum(values)])) / \
+    flat = np.concatenate(rows)
+    order = np.argsort(-flat, kind="stable")   # stable: a row's equal gains keep their order
+    totals = np.arange(len(flat) + 1)
+    rates = (n + np.concatenate([[0.0], np.cumsum(flat[order])])) / \
         np.asarray(step_seconds(n + totals), dtype=np.float64)
     best = int(np.argmax(rates))
-    counts = [0] * len(gains)
-    for j in order[:best]:
-        counts[flat[j][1]] += 1
-    return counts
+    owner = np.repeat(np.arange(len(rows)), sizes)
+    return np.bincount(owner[order[:best]], minlength=len(rows)).tolist()

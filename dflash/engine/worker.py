@@ -58,7 +58,6 @@ class Verified:
 # the draft-context features a sequence that stopped drafting may hold back: 1213 rows of the
 # bundled pair in bf16, 102 of a Qwen3-8B target's 5 captured layers
 BACKLOG_BYTES = 4 << 20
-MAX_TREE_NODES = 64   # draft nodes a sequence may verify in one tree step
 TREE_TOP_K = 8        # candidate tokens per block position a tree may branch into
 
 
@@ -300,16 +299,17 @@ class Worker:
             self.block_size > 1 and self.draft_sampling == "greedy"
 
     @torch.inference_mode()
-    def tree_step(self, requests: list[Request], depths: list[int], choose
+    def tree_step(self, requests: list[Request], depths: list[int], size: int, choose
                   ) -> tuple[list[list[int]], list[Tree], list[list[int]]]:
         """One decode step verifying a tree of drafts per sequence (docs/design.md 4.6).
 
-        Requests of depth > 0 get trees that reach at most that deep (`grow_trees`); one target
+        Requests of depth > 0 get trees of at most `size` nodes that reach at most that deep
+        (`grow_trees`); one target
         pass over every tree (rows: root, then nodes; a node attends to its context, its
         ancestors and itself) gives the target's logits at every node; each request accepts a
         path (`accept_trees`) and commits it and the token after it. Returns the emitted tokens,
         the verified trees and their accepted paths (node indices)."""
-        trees = self.grow_trees(requests, depths, choose)
+        trees = self.grow_trees(requests, depths, size, choose)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
                               [len(t) for t in trees], self.kv_block_size, self.device,
                               self.num_kv_blocks, parents=[t.parents for t in trees])
@@ -335,12 +335,13 @@ class Worker:
         return emitted, trees, paths
 
     @torch.inference_mode()
-    def grow_trees(self, requests: list[Request], depths: list[int], choose) -> list[Tree]:
+    def grow_trees(self, requests: list[Request], depths: list[int], size: int, choose
+                   ) -> list[Tree]:
         """Each request's tree: the root (its pending token) alone (depth 0), or the best-first
         tree over one draft pass's top candidates at the first `depth` block positions, of the
-        size `choose(scores)` gives (scores: per drafting request, its candidate nodes' draft
-        path probabilities in best-first order). Only the deepest tree's positions go through
-        the draft's lm_head and top-k."""
+        size `choose(scores)` gives (scores: per drafting request, the draft path probabilities
+        of its first `size` candidate nodes in best-first order). Only the deepest tree's
+        positions go through the draft's lm_head and top-k."""
         b = self.block_size
         trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
         chosen = [i for i, d in enumerate(depths) if d > 0]
@@ -361,7 +362,7 @@ class Worker:
         # reservation has left (at least a block's, section 4.6)
         room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in reqs]
         full = [best_first(trees[i].tokens[0], ids[j][:depths[i]], probs[j][:depths[i]],
-                           min(MAX_TREE_NODES, room[j])) for j, i in enumerate(chosen)]
+                           min(size, room[j])) for j, i in enumerate(chosen)]
         for i, tree, count in zip(chosen, full, choose([t.scores[1:] for t in full])):
             trees[i] = tree.prefix(count + 1)
         return trees
