@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="smollm2")
     p.add_argument("--draft", default=None, help="default: the bundled draft for smollm2")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"])
+    p.add_argument("--speculation", default="adaptive", choices=["adaptive", "chain", "fixed"])
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="the server's batch limit (default: the largest concurrency)")
     p.add_argument("--completions", action="store_true",
