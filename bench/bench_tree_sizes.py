@@ -32,8 +32,8 @@ class FixedSizes:
     def tree_size(self):
         return self.nodes
 
-    def choose_nodes(self, scores, sequences):
-        return [min(self.nodes, len(s)) for s in scores]
+    def choose_nodes(self, candidates, sequences):
+        return [min(self.nodes, len(t) - 1) for t in candidates]
 
     def observe(self, *args):
         pass

@@ -223,9 +223,9 @@ class RandomVerifySchedule:
     def tree_size(self):
         return tree.MAX_NODES
 
-    def choose_nodes(self, scores, sequences):
-        counts = [self.rng.choice([0, 1, 2, 5, 15, len(s)]) for s in scores]
-        self.trees.append([min(c, len(s)) for c, s in zip(counts, scores)])
+    def choose_nodes(self, candidates, sequences):
+        counts = [self.rng.choice([0, 1, 2, 5, 15, len(t) - 1]) for t in candidates]
+        self.trees.append([min(c, len(t) - 1) for c, t in zip(counts, candidates)])
         return self.trees[-1]
 
     def observe_trees(self, *args):

@@ -104,22 +104,27 @@ def test_the_planner_offers_twice_the_nodes_it_took_lately():
     plus a margin, shrinking while it takes none and doubling when it takes every one."""
     steep = CostModel({1: 1e-3, 64: 1.0}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
     flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
+    def star(n, score):   # a root and n candidates at depth 1
+        return tree.Tree([0] * (n + 1), [-1] + [0] * n, [0] + [1] * n, [1.0] + [score] * n)
+
     planner = Planner(B - 1, steep)
     assert planner.tree_size() == tree.MAX_NODES
     for _ in range(tree.MAX_NODES):
-        assert planner.choose_nodes([[0.5] * planner.tree_size()], 1) == [0]
+        assert planner.choose_nodes([star(planner.tree_size(), 0.5)], 1) == [0]
     assert planner.tree_size() == TREE_MARGIN
     planner.cost_model = flat
-    assert planner.choose_nodes([[0.9] * planner.tree_size()], 1) == [TREE_MARGIN]
+    assert planner.choose_nodes([star(planner.tree_size(), 0.9)], 1) == [TREE_MARGIN]
     assert planner.tree_size() == 3 * TREE_MARGIN
 
 
 def test_calibration_learns_acceptance_by_score():
     cal = tree.Calibration()
-    assert cal([0.95])[0] == pytest.approx(0.975)   # starts at the draft's own probability
+    assert cal([0.95], [1])[0] == pytest.approx(0.975)   # starts at the draft's own probability
     for _ in range(500):
-        cal.observe([0.95, 0.05], [False, True])      # an overconfident draft
-    assert cal([0.95])[0] < 0.1 and cal([0.05])[0] > 0.9
+        cal.observe([0.95, 0.05], [3, 3], [False, True])   # overconfident at depth 3
+    assert cal([0.95], [3])[0] < 0.1 and cal([0.05], [3])[0] > 0.9
+    assert cal([0.95, 0.05], [1, 1]) == pytest.approx([0.975, 0.075])   # other depths: apart
+    assert cal([0.95], [40])[0] == cal([0.95], [tree.DEPTHS])[0]       # deep ones share
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +223,8 @@ class FullTrees(RandomVerifySchedule):
     def tree_size(self):
         return 32
 
-    def choose_nodes(self, scores, sequences):
-        return [len(s) for s in scores]
+    def choose_nodes(self, candidates, sequences):
+        return [len(t) - 1 for t in candidates]
 
 
 def _bushy_trees(llm):

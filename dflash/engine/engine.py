@@ -211,7 +211,7 @@ class LLMEngine:
         def run(rs: list[Request], ks: list[int]):
             return list(zip(*self.worker.tree_step(
                 rs, tree.depth_limits(ks, self.block_size - 1), self.planner.tree_size(),
-                lambda scores: self.planner.choose_nodes(scores, len(rs)))))
+                lambda candidates: self.planner.choose_nodes(candidates, len(rs)))))
 
         ok, _, results = self._call(run, running, num_drafts)
         if ok:

@@ -207,15 +207,15 @@ class Planner:
         lately did; one that takes every candidate doubles the next offer)."""
         return min(tree.MAX_NODES, 2 * self._largest + TREE_MARGIN)
 
-    def choose_nodes(self, scores: list[list[float]], sequences: int) -> list[int]:
+    def choose_nodes(self, candidates: list[tree.Tree], sequences: int) -> list[int]:
         """Tree sizes for the drafting sequences of a step over `sequences` sequences, from
-        their candidates' draft path probabilities (best-first order), calibrated, and the
-        corrected cost of verify rows (`tree.choose_nodes`)."""
+        their candidate trees (nodes in best-first order: draft path probabilities and depths,
+        calibrated) and the corrected cost of verify rows (`tree.choose_nodes`)."""
         decode = float(self.cost_model.decode(sequences))
-        draft = float(self.cost_model.draft(len(scores)))
+        draft = float(self.cost_model.draft(len(candidates)))
         a, b = self.time.a, self.time.b
         counts = tree.choose_nodes(
-            [self.calibration(s) for s in scores],
+            [self.calibration(t.scores[1:], t.depths[1:]) for t in candidates],
             lambda rows: a * decode + b * (self.cost_model.extra(sequences, rows) + draft),
             sequences)
         self._largest = max(max(counts, default=0), self._largest - 1)
@@ -224,13 +224,14 @@ class Planner:
     def observe_trees(self, requests, trees, paths, seconds: float) -> None:
         """Learn from a tree step: the calibration from every verified node, the per-position
         acceptance as for a chain as deep as the tree, the time correction from its rows."""
-        scores, accepted = [], []
+        scores, depths, accepted = [], [], []
         for t, path in zip(trees, paths):
             on_path = set(path)
             scores += t.scores[1:]
+            depths += t.depths[1:]
             accepted += [n in on_path for n in range(1, len(t))]
         if scores:
-            self.calibration.observe(scores, accepted)
+            self.calibration.observe(scores, depths, accepted)
         self.observe(requests, [max(t.depths) for t in trees], [len(p) - 1 for p in paths])
         n, drafting = len(trees), sum(len(t) > 1 for t in trees)
         rows = sum(len(t) for t in trees)

@@ -339,9 +339,9 @@ class Worker:
                    ) -> list[Tree]:
         """Each request's tree: the root (its pending token) alone (depth 0), or the best-first
         tree over one draft pass's top candidates at the first `depth` block positions, of the
-        size `choose(scores)` gives (scores: per drafting request, the draft path probabilities
-        of its first `size` candidate nodes in best-first order). Only the deepest tree's
-        positions go through the draft's lm_head and top-k."""
+        size `choose(candidates)` gives (candidates: per drafting request, the tree of its
+        first `size` candidate nodes in best-first order). Only the deepest tree's positions go
+        through the draft's lm_head and top-k."""
         b = self.block_size
         trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
         chosen = [i for i, d in enumerate(depths) if d > 0]
@@ -363,7 +363,7 @@ class Worker:
         room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in reqs]
         full = [best_first(trees[i].tokens[0], ids[j][:depths[i]], probs[j][:depths[i]],
                            min(size, room[j])) for j, i in enumerate(chosen)]
-        for i, tree, count in zip(chosen, full, choose([t.scores[1:] for t in full])):
+        for i, tree, count in zip(chosen, full, choose(full)):
             trees[i] = tree.prefix(count + 1)
         return trees
 
