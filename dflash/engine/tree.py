@@ -21,7 +21,8 @@ import numpy as np
 
 BINS = 20                 # calibration bins over the draft's path probability, per depth
 DEPTHS = 16               # depths calibrated apart (deeper nodes share the last)
-CALIBRATION_PRIOR = 4.0   # pseudo-observations of a bin's prior (the raw score)
+CALIBRATION_PRIOR = 4.0   # pseudo-observations of a bin's prior (the raw score; per depth: the
+                          # estimate over all depths)
 CALIBRATION_ALPHA = 0.01  # weight of one step in a bin's running counts
 EXTRA_DEPTH = 2           # levels a tree may reach beyond the planner's chain length
 MAX_NODES = 64            # draft nodes a sequence may verify in one tree step
@@ -97,37 +98,48 @@ def reject(residual, token: int):
 
 
 class Calibration:
-    """P(a node is accepted | its depth and its draft path probability), in bins per depth,
-    learned from verified trees (every node of a verified tree is an observation: accepted when
-    it lies on the accepted path). Starts at the draft's own probability. Depth matters apart
-    from the score: a deep node's path probability compounds the draft's errors at every level
-    above it."""
+    """P(a node is accepted | its depth and its draft path probability), in bins, learned from
+    verified trees (every node of a verified tree is an observation: accepted when it lies on
+    the accepted path). An estimate over all depths starts at the draft's own probability; each
+    depth's estimate starts at that one and moves with its own observations, so a depth seldom
+    verified borrows from the others (a deep node's path probability compounds the draft's
+    errors at every level above it, so depths may differ)."""
 
     def __init__(self):
         centers = (np.arange(BINS) + 0.5) / BINS
-        self.accepted = np.tile(centers * CALIBRATION_PRIOR, (DEPTHS, 1))
-        self.offered = np.full((DEPTHS, BINS), CALIBRATION_PRIOR)
+        self.accepted = centers * CALIBRATION_PRIOR   # over all depths
+        self.offered = np.full(BINS, CALIBRATION_PRIOR)
+        self.depth_accepted = np.zeros((DEPTHS, BINS))
+        self.depth_offered = np.zeros((DEPTHS, BINS))
 
     @staticmethod
     def _cells(scores, depths) -> tuple[np.ndarray, np.ndarray]:
         bins = np.minimum((np.asarray(scores) * BINS).astype(np.int64), BINS - 1)
         return np.minimum(np.asarray(depths, dtype=np.int64), DEPTHS) - 1, bins
 
+    def _estimate(self, rows, bins) -> np.ndarray:
+        overall = self.accepted[bins] / self.offered[bins]
+        return (self.depth_accepted[rows, bins] + CALIBRATION_PRIOR * overall) / \
+            (self.depth_offered[rows, bins] + CALIBRATION_PRIOR)
+
     def __call__(self, scores, depths) -> np.ndarray:
-        cells = self._cells(scores, depths)
-        return self.accepted[cells] / self.offered[cells]
+        return self._estimate(*self._cells(scores, depths))
 
     def observe(self, scores: list[float], depths: list[int], accepted: list[bool]) -> None:
-        cells = self._cells(scores, depths)
-        self.accepted *= 1 - CALIBRATION_ALPHA
-        self.offered *= 1 - CALIBRATION_ALPHA
-        np.add.at(self.accepted, cells, np.asarray(accepted, dtype=np.float64))
-        np.add.at(self.offered, cells, 1.0)
+        rows, bins = self._cells(scores, depths)
+        hits = np.asarray(accepted, dtype=np.float64)
+        for counts in (self.accepted, self.offered, self.depth_accepted, self.depth_offered):
+            counts *= 1 - CALIBRATION_ALPHA
+        np.add.at(self.accepted, bins, hits)
+        np.add.at(self.offered, bins, 1.0)
+        np.add.at(self.depth_accepted, (rows, bins), hits)
+        np.add.at(self.depth_offered, (rows, bins), 1.0)
 
     def as_dict(self) -> dict[str, list]:
         """acceptance[d - 1][i]: the estimate at depth d for scores in bin i."""
+        rows, bins = np.meshgrid(np.arange(DEPTHS), np.arange(BINS), indexing="ij")
         return {"bin_upper": [round((i + 1) / BINS, 3) for i in range(BINS)],
-                "acceptance": np.round(self.accepted / self.offered, 4).tolist()}
+                "acceptance": np.round(self._estimate(rows, bins), 4).tolist()}
 
 
 def choose_nodes(gains: list[list[float]], step_seconds, sequences: int | None = None
