@@ -67,8 +67,11 @@ DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes f
 
 
 def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
-    """--dtype, and for DFlash engines --speculation and --recalibrate."""
+    """--dtype, --quantization, --recalibrate, and for DFlash engines --speculation."""
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="quantize the target's linear weights on load (int8: one float32 scale "
+                        "per output column and 32 inputs; default: none)")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the engine's cost model again instead of reading its cache")
     if speculation:
@@ -106,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     with LLM(resolve_target(args.target), resolve_draft(args), dtype=args.dtype,
              max_num_seqs=args.max_num_seqs, tp_size=args.tp, speculation=args.speculation,
-             recalibrate=args.recalibrate) as llm:
+             recalibrate=args.recalibrate, quantization=args.quantization) as llm:
         return _generate_with(llm, prompts, args)
 
 
@@ -154,7 +157,8 @@ def _train(args: argparse.Namespace) -> int:
     texts = prompts + [text for _, text in variants]
     groups = list(range(len(prompts))) + [source for source, _ in variants]
     llm = LLM(resolve_target(args.target), dtype=args.dtype, max_num_seqs=args.gen_batch,
-              max_model_len=args.max_model_len, recalibrate=args.recalibrate)
+              max_model_len=args.max_model_len, recalibrate=args.recalibrate,
+              quantization=args.quantization)
     generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
                      chunk=args.gen_batch * 2)
     if args.only_data:
@@ -184,7 +188,8 @@ def _bench(args: argparse.Namespace) -> int:
     bench.run(resolve_target(args.target), resolve_draft(args), args.dataset, args.num_prompts,
               [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.temperature,
               args.block_size, args.dtype, args.out, tp_size=args.tp, rounds=args.rounds,
-              modes=tuple(args.modes.split(",")), recalibrate=args.recalibrate)
+              modes=tuple(args.modes.split(",")), recalibrate=args.recalibrate,
+              quantization=args.quantization)
     return 0
 
 
@@ -192,7 +197,7 @@ def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
     demo.run(dtype=args.dtype, max_tokens=args.max_tokens, speculation=args.speculation,
-             recalibrate=args.recalibrate)
+             recalibrate=args.recalibrate, quantization=args.quantization)
     return 0
 
 
@@ -208,7 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs(
         target, resolve_draft(args), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, speculation=args.speculation,
-        recalibrate=args.recalibrate), isolate_errors=True)
+        recalibrate=args.recalibrate, quantization=args.quantization), isolate_errors=True)
     try:
         if engine.tokenizer is None:
             print("dflash serve: the target has no tokenizer", file=sys.stderr)

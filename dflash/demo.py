@@ -25,15 +25,16 @@ QUESTIONS = [
 
 
 def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive",
-        recalibrate: bool = False, out=sys.stdout) -> dict:
+        recalibrate: bool = False, quantization: str | None = None, out=sys.stdout) -> dict:
     """Both engines with the same settings; with dtype "auto" each takes the dtype that decodes
     fastest for it on this host (target-only decoding is compared at its best)."""
     target = assets.smollm2_target()
     draft = assets.bundled_draft()
     sp = SamplingParams(max_tokens=max_tokens)
     spec = LLM(target, draft, dtype=dtype, max_num_seqs=1, speculation=speculation,
-               recalibrate=recalibrate)
-    base = LLM(target, dtype=dtype, max_num_seqs=1, recalibrate=recalibrate)
+               recalibrate=recalibrate, quantization=quantization)
+    base = LLM(target, dtype=dtype, max_num_seqs=1, recalibrate=recalibrate,
+               quantization=quantization)
     prompts = [spec.chat_prompt(q) for q in QUESTIONS]
     for llm in (spec, base):   # warm-up (first-call allocations, thread pools)
         llm.generate(prompts[0], SamplingParams(max_tokens=8))

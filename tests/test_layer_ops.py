@@ -1,6 +1,6 @@
 """The decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache,
-panel_linear): the compiled CPU kernels against the PyTorch reference, row independence, cache
-writes, clear errors for bad input, and the fake implementations."""
+panel_linear, quant_linear): the compiled CPU kernels against the PyTorch reference, row
+independence, cache writes, clear errors for bad input, and the fake implementations."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from dflash.ops.cases import (
     add_rms_norm_inputs,
     panel_linear_inputs,
     qkv_rope_cache_inputs,
+    quant_linear_inputs,
     rms_norm_inputs,
     rope_inputs,
     silu_and_mul_inputs,
@@ -209,6 +210,7 @@ def _bad_inputs():
     r, a, s = rms_norm_inputs(), add_rms_norm_inputs(), silu_and_mul_inputs()
     p, q, w = rope_inputs(), qkv_rope_cache_inputs(), panel_linear_inputs()
     pairs = panel_linear_inputs(torch.bfloat16, k=38, pairs=True)
+    ql = quant_linear_inputs()
     return [
         ("rms_norm", "x has dtype torch.int64", {"x": r["x"].long()}),
         ("rms_norm", "weight has shape \\[95\\], expected size 96", {"weight": r["weight"][:-1]}),
@@ -257,6 +259,16 @@ def _bad_inputs():
          {"x": torch.ones(5, 39, dtype=torch.bfloat16), "weight_panels": pairs["weight_panels"]}),
         ("panel_linear", "weight_panels has shape \\[3, 19, 16, 2\\], expected size 18 in dim 1",
          {"x": pairs["x"][:, :36], "weight_panels": pairs["weight_panels"]}),
+        ("quant_linear", "x has 48 columns; int8 weights need a multiple of 32",
+         {"x": ql["x"][:, :48]}),
+        ("quant_linear", "weight has dtype torch.int8, expected torch.uint8",
+         {"weight": ql["weight"].to(torch.int8)}),
+        ("quant_linear", "weight has shape \\[3, 8, 16, 4\\], expected size 16 in dim 1",
+         {"weight": ql["weight"][:, :8]}),
+        ("quant_linear", "scales has shape \\[3, 1, 16\\], expected size 2 in dim 1",
+         {"scales": ql["scales"][:, :1]}),
+        ("quant_linear", "scales has dtype torch.float16", {"scales": ql["scales"].half()}),
+        ("quant_linear", "bias has shape \\[47\\], expected size 48", {"bias": ql["bias"][:-1]}),
     ]
 
 

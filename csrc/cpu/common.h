@@ -104,6 +104,20 @@ inline void norm_rope_head(float* x, const float* weight, const float* cos, cons
   rope_head(x, cos, sin, d);
 }
 
+// The GEMM kernels' last step for a tile of columns: out[m, col0 : col0 + cols] (rows of n) =
+// result[m, 0 : cols] (rows of ld) + bias[col0 : col0 + cols] (if any), in out's dtype.
+template <typename T>
+inline void store_columns(float* result, int64_t rows, int64_t ld, int64_t cols,
+                          const std::vector<float>& bias, int64_t col0, T* out, int64_t n) {
+  using fVec = at::vec::Vectorized<float>;
+  for (int64_t m = 0; m < rows; ++m) {
+    float* r = result + m * ld;
+    if (!bias.empty())
+      at::vec::map2([](fVec a, fVec c) { return a + c; }, r, r, bias.data() + col0, cols);
+    at::vec::convert(r, out + m * n + col0, cols);
+  }
+}
+
 // f(row, scratch) for rows [0, n) of `width` elements each, in parallel when the work is large;
 // `scratch` holds `scratch_floats` uninitialized floats per thread.
 template <typename F>

@@ -258,13 +258,7 @@ void multiply(const X* x, int64_t rows, int64_t k, const T* weight, int64_t pane
       const int64_t np = std::min<int64_t>(NP, end - first);
       const T* tile = weight + first * kPanel * k;
       multiply_panels<P, NP, MR>(np, x, rows, k, tile, result.data(), kCols);
-      const int64_t cols = np * kPanel, col0 = first * kPanel;
-      for (int64_t m = 0; m < rows; ++m) {
-        float* r = result.data() + m * kCols;
-        if (!bias.empty())
-          at::vec::map2([](fVec a, fVec c) { return a + c; }, r, r, bias.data() + col0, cols);
-        at::vec::convert(r, out + m * n + col0, cols);
-      }
+      store_columns(result.data(), rows, kCols, np * kPanel, bias, first * kPanel, out, n);
     }
   });
 }

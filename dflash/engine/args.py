@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.layers import QUANTIZATIONS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,6 +31,7 @@ class EngineArgs:
     tp_timeout: float = 300.0
     speculation: str = "adaptive"
     recalibrate: bool = False
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.cp_size != 1:
@@ -41,6 +44,9 @@ class EngineArgs:
         if self.speculation not in ("adaptive", "chain", "fixed"):
             raise ValueError(f"speculation must be 'adaptive', 'chain' or 'fixed', "
                              f"got {self.speculation!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.dtype != "auto":
             dtype = DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) \
                 else self.dtype

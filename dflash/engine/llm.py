@@ -55,6 +55,10 @@ class LLM:
             "fixed": every sequence verifies all B-1 drafts (the published DFlash schedule).
         recalibrate: measure the cost model again instead of reading its cache (kept in
             $DFLASH_CALIBRATION_DIR, default ~/.cache/dflash/calibration).
+        quantization: None (default: the target's GEMM weights in `dtype`) or "int8": its
+            dense linear weights and lm_head quantized on load to int8 with a float32 scale per
+            output column and group of 32 inputs (docs/design.md 4.7; CPU). The draft stays
+            in `dtype`.
 
     Attributes: `engine` (the `LLMEngine` it drives) and, read from it, `target`, `draft`,
     `tokenizer`, `dtype` (the torch dtype in use), `block_size`, `max_num_seqs`,
@@ -68,11 +72,12 @@ class LLM:
                  kv_block_size: int = 16, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, draft_sampling: str = "greedy",
                  cp_size: int = 1, tokenizer=None, tp_size: int = 1, tp_timeout: float = 300.0,
-                 speculation: str = "adaptive", recalibrate: bool = False):
+                 speculation: str = "adaptive", recalibrate: bool = False,
+                 quantization: str | None = None):
         self.engine = LLMEngine(EngineArgs(
             target, draft, dtype, device, max_num_seqs, block_size, kv_block_size, max_model_len,
             num_kv_blocks, draft_sampling, cp_size, tokenizer, tp_size, tp_timeout, speculation,
-            recalibrate))
+            recalibrate, quantization))
 
     target = _from_engine("target")
     draft = _from_engine("draft")

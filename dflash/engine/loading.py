@@ -56,7 +56,7 @@ def load(args: EngineArgs) -> Loaded:
 def _build(args: EngineArgs, dtype: torch.dtype) -> Loaded:
     group = None if args.tp_size == 1 else distributed.Group(
         args.tp_size, args.target, args.draft, dtype, args.device, args.tp_timeout,
-        args.served_len)
+        args.served_len, args.quantization)
     try:
         return _load_models(args, dtype, group)
     except BaseException:
@@ -69,7 +69,7 @@ def _load_models(args: EngineArgs, dtype: torch.dtype, group) -> Loaded:
     tp = None if group is None else group.tp
     device = args.device if group is None else group.device
     served = args.served_len   # RoPE tables cover what is served, no more
-    target = load_target(args.target, dtype, device, tp, served)
+    target = load_target(args.target, dtype, device, tp, served, args.quantization)
     draft = None if args.draft is None else load_draft(args.draft, target.cfg, dtype, device,
                                                        served)
     tokenizer = args.tokenizer if args.tokenizer is not None else load_tokenizer(args.target)
@@ -101,7 +101,7 @@ def _cost_key(args: EngineArgs, name: str) -> dict:
     alone, so a cached choice needs no model loaded)."""
     shape = {k: getattr(args, k) for k in ("tp_size", "max_num_seqs", "block_size",
                                            "kv_block_size", "max_model_len", "num_kv_blocks",
-                                           "draft_sampling")}
+                                           "draft_sampling", "quantization")}
     return cost_model.cache_key(args.target, args.draft, name, device=str(args.device), **shape)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import host, ops
 from ..ops import reference, registry
-from ..ops.packing import PANEL
+from ..ops.packing import GROUP, PANEL
 from .config import AttentionConfig
 
 
@@ -134,9 +134,29 @@ def prefill_metadata(lengths: list[int], kv_block_size: int, device=None) -> Att
 PANEL_MAX_ROWS = 1024
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+# weight formats a target's GEMM weights may be quantized to on load (docs/design.md 4.7)
+QUANTIZATIONS = ("int8",)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A linear weight quantized by `ops.quantize_int8` for `ops.quant_linear`: uint8 quad panels
+    [N / 16, K / 4, 16, 4] (int8 values + 128) and float32 scales [N / 16, K / 32, 16] (one per
+    output column and group of 32 inputs)."""
+
+    quads: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.quads.nbytes + self.scales.nbytes
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """F.linear that also takes weights re-laid out by `pack_linear_weight` (inference only:
-    packed weights have no backward)."""
+    packed and quantized weights have no backward)."""
+    if isinstance(weight, Int8Weight):
+        return ops.quant_linear(x, weight.quads, weight.scales, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if is_panels(weight):
@@ -153,9 +173,13 @@ def is_panels(weight: torch.Tensor) -> bool:
         (weight.dim() == 4 and tuple(weight.shape[-2:]) == (PANEL, 2))
 
 
-def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16,
+                       quantization: str | None = None) -> torch.Tensor | Int8Weight:
     """A CPU weight [N, K] re-laid out for the few rows of decoding, else the weight unchanged.
     Packed weights serve inference only (`linear`), with the same float32 accumulation.
+
+    quantization "int8": an `Int8Weight` (`ops.quantize_int8`) wherever N is a multiple of 16 and
+    K of 32 and the CPU kernel exists; other weights are packed as without it.
 
     On CPU, torch's GEMMs are slow for small row counts (1-16 rows per sequence). Float32
     weights, and bfloat16 ones as `host.bf16_gemm` says, go to:
@@ -170,6 +194,9 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tenso
     """
     if weight.device.type != "cpu" or weight.is_mkldnn or weight.dim() != 2:
         return weight
+    if quantization == "int8" and weight.shape[0] % PANEL == 0 and weight.shape[1] % GROUP == 0 \
+            and registry.has_kernel("quant_linear"):
+        return Int8Weight(*ops.quantize_int8(weight))
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return weight
     path = host.bf16_gemm() if weight.dtype == torch.bfloat16 else "panels"
@@ -182,17 +209,28 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tenso
     return ops.to_panels(weight)
 
 
-def unpacked(weight: torch.Tensor) -> torch.Tensor:
-    """The plain [N, K] tensor of a weight, packed by `pack_linear_weight` or not."""
+def unpacked(weight: torch.Tensor | Int8Weight) -> torch.Tensor:
+    """The plain [N, K] tensor of a weight, packed by `pack_linear_weight` or not (a quantized
+    one dequantized to float32)."""
+    if isinstance(weight, Int8Weight):
+        return ops.dequantize_int8(weight.quads, weight.scales)
     if weight.is_mkldnn:
         return weight.to_dense()
     return ops.from_panels(weight) if is_panels(weight) else weight
 
 
-def pack_parameter(module: torch.nn.Module, name: str) -> None:
-    """Replace the weight parameter `name` of `module` by its packed form (`pack_linear_weight`)."""
-    packed = pack_linear_weight(getattr(module, name).data)
-    module._parameters[name] = torch.nn.Parameter(packed, requires_grad=False)
+def pack_parameter(module: torch.nn.Module, name: str, quantization: str | None = None) -> None:
+    """Replace the weight parameter `name` of `module` by its packed or quantized form
+    (`pack_linear_weight`; a quantized weight is a plain attribute, not a parameter)."""
+    weight = getattr(module, name)
+    if not isinstance(weight, torch.Tensor):   # packed before
+        return
+    packed = pack_linear_weight(weight.data, quantization=quantization)
+    if isinstance(packed, Int8Weight):
+        delattr(module, name)
+        setattr(module, name, packed)
+    else:
+        module._parameters[name] = torch.nn.Parameter(packed, requires_grad=False)
 
 
 def _use_fused_ops(*tensors: torch.Tensor) -> bool:

@@ -373,11 +373,12 @@ def _resolve(path) -> Path:
 
 
 def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                tp: TensorParallel | None = None, max_positions: int | None = None
-                ) -> TargetModel:
+                tp: TensorParallel | None = None, max_positions: int | None = None,
+                quantization: str | None = None) -> TargetModel:
     """A target model from a Hugging Face directory or a GGUF file (dequantized on load); with
     `tp`, only this rank's tensor-parallel shard is read. `max_positions`: the longest sequence
-    it will serve (its RoPE table's rows, at most max_position_embeddings)."""
+    it will serve (its RoPE table's rows, at most max_position_embeddings). `quantization`
+    (layers.QUANTIZATIONS): the format `pack_weights` quantizes its GEMM weights to."""
     path = _resolve(path)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
@@ -391,6 +392,7 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
         ckpt = SafetensorsCheckpoint(path)
     model = TargetModel(cfg, tp, max_positions)
     assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device), tp)
+    model.quantization = quantization
     return model.eval()
 
 

@@ -19,6 +19,7 @@ from .. import ops
 from .config import TargetConfig
 from .layers import (
     AttentionMetadata,
+    Int8Weight,
     add_rms_norm,
     linear,
     pack_linear_weight,
@@ -75,9 +76,9 @@ class MLP(nn.Module):
         self.down = _param(hidden, intermediate)
         self.tp = tp
 
-    def pack_weights(self) -> None:
-        pack_parameter(self, "gate_up")
-        pack_parameter(self, "down")
+    def pack_weights(self, quantization: str | None = None) -> None:
+        pack_parameter(self, "gate_up", quantization)
+        pack_parameter(self, "down", quantization)
 
     def forward(self, x):
         out = linear(silu_and_mul(linear(x, self.gate_up)), self.down)
@@ -158,7 +159,9 @@ class TargetModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = _param(h)
         self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, h)
-        self.packed_head: torch.Tensor | None = None   # see pack_weights
+        self.packed_head: torch.Tensor | Int8Weight | None = None   # see pack_weights
+        # the format pack_weights quantizes the GEMM weights to (layers.QUANTIZATIONS), or None
+        self.quantization: str | None = None
         self.register_buffer("cos_sin", rope_cos_sin(
             cfg.attn, rope_positions(cfg.attn, max_positions)), persistent=False)
 
@@ -202,14 +205,16 @@ class TargetModel(nn.Module):
 
     def pack_weights(self) -> None:
         """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
-        `pack_linear_weight`; a no-op off CPU and for float16). The embedding stays as it is for
+        `pack_linear_weight`; a no-op off CPU and for float16), quantized to `self.quantization`
+        if set (MoE experts and the router stay as loaded). The embedding stays as it is for
         lookups, so a tied lm_head gets a packed copy."""
+        q = self.quantization
         for layer in self.layers:
-            pack_parameter(layer.attn, "qkv")
-            pack_parameter(layer.attn, "o")
+            pack_parameter(layer.attn, "qkv", q)
+            pack_parameter(layer.attn, "o", q)
             if isinstance(layer.mlp, MLP):
-                layer.mlp.pack_weights()
-        self.packed_head = pack_linear_weight(self.output_embedding.data)
+                layer.mlp.pack_weights(q)
+        self.packed_head = pack_linear_weight(self.output_embedding.data, quantization=q)
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the lm_head, e.g. a draft vocabulary's output embedding [len(ids), H]."""

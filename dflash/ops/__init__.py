@@ -14,7 +14,13 @@ from collections.abc import Sequence
 import torch
 
 from . import npu_attention, registry
-from .packing import from_panels, to_pair_panels, to_panels  # noqa: F401  (the layouts panel_linear takes)
+from .packing import (  # noqa: F401  (the layouts panel_linear and quant_linear take)
+    dequantize_int8,
+    from_panels,
+    quantize_int8,
+    to_pair_panels,
+    to_panels,
+)
 
 
 def implementation(op: str) -> str:
@@ -194,3 +200,19 @@ def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
     Float32 sums, one rounding to x's dtype; a row's result does not depend on the other rows.
     """
     return torch.ops.dflash.panel_linear(x, weight_panels, bias)
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer over an 8-bit weight: x [..., K] (K a multiple of 32) -> x @ W.T + bias
+    [..., N], for (weight, scales) = `quantize_int8(W)`: weight [N / 16, K / 4, 16, 4] uint8 quad
+    panels holding q + 128 for int8 values q, scales [N / 16, K / 32, 16] float32, one per output
+    column and group of 32 inputs (W ~ dequantize_int8(weight, scales) = q * scale). bias: [N]
+    or None.
+
+    x is quantized per row and group of 32 as the weight is (llama.cpp's Q8_0 x Q8_0 dot
+    product): each group's dot product is an exact integer, summed in float32 group by group
+    with both scales, one rounding to x's dtype. A row's result does not depend on the other
+    rows, so DFlash's verification rows equal one-token decodes bit for bit.
+    """
+    return torch.ops.dflash.quant_linear(x, weight, scales, bias)

@@ -244,7 +244,8 @@ def rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
 
 
 # ---------------------------------------------------------------------------------------------
-# layer ops: rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache, panel_linear
+# layer ops: rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache, panel_linear,
+# quant_linear
 # ---------------------------------------------------------------------------------------------
 
 def _rows_input(op: str, x) -> None:
@@ -288,6 +289,20 @@ def panel_linear_meta(x, weight_panels, bias) -> None:
         check_tensor(op, "weight_panels", weight_panels, x.dtype, 3, (None, k, 16), x.device)
     if bias is not None:
         check_tensor(op, "bias", bias, FLOAT_DTYPES, 1, (weight_panels.shape[0] * 16,), x.device)
+
+
+def quant_linear_meta(x, weight, scales, bias) -> None:
+    """weight [N / 16, K / 4, 16, 4] uint8 quad panels (`ops.quantize_int8`), scales
+    [N / 16, K / 32, 16] float32, K a multiple of 32; bias [N]."""
+    op = "quant_linear"
+    _rows_input(op, x)
+    k = x.shape[-1]
+    require(k % 32 == 0, op, f"x has {k} columns; int8 weights need a multiple of 32 (one scale "
+            "per group of 32)")
+    check_tensor(op, "weight", weight, torch.uint8, 4, (None, k // 4, 16, 4), x.device)
+    check_tensor(op, "scales", scales, torch.float32, 3, (weight.shape[0], k // 32, 16), x.device)
+    if bias is not None:
+        check_tensor(op, "bias", bias, FLOAT_DTYPES, 1, (weight.shape[0] * 16,), x.device)
 
 
 def qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, value_cache,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checks
-from .packing import from_panels
+from .packing import GROUP, from_panels, quantize_groups
 
 
 def rms_norm_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -249,3 +249,25 @@ def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
     out = F.linear(x.float(), from_panels(weight_panels).float(),
                    None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W.T + bias -> [..., N] for the 8-bit W of `quantize_int8` (weight, scales):
+    x quantized per row and group of 32 (`quantize_groups`), each group's integer dot product,
+    then per group in order acc += sum * (w_scale * x_scale) in float32, plus the bias, rounded
+    once to x's dtype. (The kernel fuses that multiply-add; the sums are the same integers.)"""
+    checks.quant_linear_meta(x, weight, scales, bias)
+    k = x.shape[-1]
+    xq, xs = quantize_groups(x.reshape(-1, k))
+    wq = weight.transpose(1, 2).reshape(-1, k).float() - 128   # the codes hold q + 128
+    ws = scales.transpose(1, 2).reshape(wq.shape[0], -1)
+    acc = wq.new_zeros(xq.shape[0], wq.shape[0])
+    for g in range(k // GROUP):
+        cols = slice(g * GROUP, (g + 1) * GROUP)
+        # integers below 2^24 at every step: exact in float32 in any order
+        sums = xq[:, cols].float() @ wq[:, cols].T
+        acc = acc + sums * (ws[None, :, g] * xs[:, g, None])
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])

@@ -25,7 +25,7 @@ from . import checks, reference
 from .packing import PANEL
 
 LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache",
-             "panel_linear")
+             "panel_linear", "quant_linear")
 OPS = ("context_kv", "paged_attention", "rejection_sample", *LAYER_OPS)
 _CAPABILITY_ORDER = ("AVX512", "AVX2", "DEFAULT")
 
@@ -140,3 +140,9 @@ def _qkv_rope_cache_fake(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, 
 def _panel_linear_fake(x, weight_panels, bias):
     checks.panel_linear_meta(x, weight_panels, bias)
     return x.new_empty(*x.shape[:-1], weight_panels.shape[0] * PANEL)
+
+
+@torch.library.register_fake("dflash::quant_linear")
+def _quant_linear_fake(x, weight, scales, bias):
+    checks.quant_linear_meta(x, weight, scales, bias)
+    return x.new_empty(*x.shape[:-1], weight.shape[0] * PANEL)

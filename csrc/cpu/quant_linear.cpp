@@ -1,0 +1,291 @@
+// quant_linear on CPU: y = x @ W^T + bias for an 8-bit weight in quad panels with one float32
+// scale per output column and group of 32 inputs (dflash.ops.quantize_int8; docs/design.md 3.4).
+//
+// Decoding streams every weight once per step, so a weight of 1 byte (plus 4 bytes of scale per
+// 32) halves the bytes of bf16. The activations are quantized too, per row and group of 32
+// (scale max|x| / 127, round to nearest even), as llama.cpp does for its Q8_0 weights: a group's
+// dot product is then an exact integer, computed by AVX512-VNNI's VPDPBUSD (64 byte products per
+// instruction) where the CPU has it, else in float32 from bytes widened as they load (every
+// product and partial sum is an integer below 2^24, so exact as well). Both give the same
+// integer, and it enters the row's float32 sum the same way: acc = fma(sum, w_scale * x_scale,
+// acc), group by group in order. A row's result therefore does not depend on the other rows of
+// the call, the thread split or the path, so the rows of a verification equal the one-token
+// decodes of the same tokens bit for bit.
+//
+// Layout (dflash.ops.to_quad_panels): weight[p, i, j, t] = q[16 p + j, 4 i + t] + 128, uint8 (the
+// int8 value q offset by 128): one 64-byte vector holds 4 consecutive inputs of 16 columns in
+// VPDPBUSD's operand order, and as its unsigned operand as stored. The integer of a group is then
+// sum((q + 128) x), from which 128 * sum(x) (known per row) is taken out.
+#include "cpu/common.h"
+
+namespace dflash::cpu::quant_linear {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+using iVec = at::vec::Vectorized<int32_t>;
+constexpr int64_t kPanel = 16;  // output columns per panel
+constexpr int64_t kQuad = 4;    // inputs per 32-bit lane
+constexpr int64_t kGroup = 32;  // inputs per scale
+constexpr int64_t kQuadsPerGroup = kGroup / kQuad;
+constexpr int64_t kGroupBytes = kQuadsPerGroup * kPanel * kQuad;  // one panel's group
+constexpr int kVecs = kPanel / fVec::size();
+static_assert(kPanel % fVec::size() == 0 && iVec::size() == fVec::size(), "whole vectors");
+
+// x quantized per row and group: q [rows, k], scale and sum(q) [rows, k / 32].
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+};
+
+// One group of 32 floats: scale d = max|x| / 127, q = round(x / d) (x * (1 / d), ties to even).
+// A group holding inf or NaN gets scale NaN, so its rows' outputs are NaN, not silently finite.
+void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum) {
+  constexpr int kVecsPerGroup = kGroup / fVec::size();
+  fVec v[kVecsPerGroup];
+  fVec amax(0.0f);
+  for (int i = 0; i < kVecsPerGroup; ++i) {
+    v[i] = fVec::loadu(x + i * fVec::size());
+    amax = at::vec::maximum(amax, v[i].abs());  // propagates NaN
+  }
+  const float m = at::vec::vec_reduce_all<float>(
+      [](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, amax);
+  if (!std::isfinite(m)) {
+    std::memset(q, 0, kGroup);
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    *sum = 0;
+    return;
+  }
+  const float d = m / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+#if defined(CPU_CAPABILITY_AVX512)
+  // cvtps rounds in the default mode, to nearest even, as round() does
+  __m512i total = _mm512_setzero_si512();
+  for (int i = 0; i < kVecsPerGroup; ++i) {
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * fVec::size()), _mm512_cvtepi32_epi8(qi));
+    total = _mm512_add_epi32(total, qi);
+  }
+  *sum = _mm512_reduce_add_epi32(total);
+#else
+  float rounded[kGroup];
+  for (int i = 0; i < kVecsPerGroup; ++i)
+    (v[i] * fVec(inv)).round().store(rounded + i * fVec::size());
+  int32_t s = 0;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    q[i] = static_cast<int8_t>(rounded[i]);  // |rounded| <= 127
+    s += q[i];
+  }
+  *sum = s;
+#endif
+  *scale = d;
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
+                    std::vector<int32_t>(rows * groups)};
+  float wide[kGroup];
+  for (int64_t g = 0; g < rows * groups; ++g) {
+    const float* xf = as_float(x + g * kGroup, wide, kGroup);
+    quantize_group(xf, out.q.data() + g * kGroup, out.scale.data() + g, out.sum.data() + g);
+  }
+  return out;
+}
+
+// What one call of a block multiplies: MR rows of x starting at `row`, NP panels at `tile` (each
+// `panel_bytes` long), over all groups; the float32 sums accumulate in out[r * ldo + column].
+struct Block {
+  const QuantizedRows& x;
+  int64_t k, groups, row;
+  const uint8_t* tile;
+  int64_t panel_bytes;
+  const float* scales;  // the tile's first panel's scales [groups, 16]
+  float* out;
+  int64_t ldo;
+};
+
+// Group g's integer sums in float32, then acc += sum * (w_scale * x_scale): each 32-bit lane of a
+// panel vector holds a column's 4 weights; the offset is flipped away (q + 128 xor 128 = q as
+// int8), byte t shifted to the top and back down (sign-extending), then widened to float.
+template <int NP, int MR>
+void multiply_group(const Block& b, int64_t g) {
+  fVec sums[MR][NP * kVecs];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP * kVecs; ++j) sums[r][j] = fVec(0.0f);
+  for (int64_t i = 0; i < kQuadsPerGroup; ++i) {
+    const int64_t quad = g * kQuadsPerGroup + i;
+    for (int t = 0; t < kQuad; ++t) {
+      fVec w[NP * kVecs];
+      for (int p = 0; p < NP; ++p)
+        for (int j = 0; j < kVecs; ++j) {
+          const auto* lanes =
+              reinterpret_cast<const int32_t*>(b.tile + p * b.panel_bytes + quad * kPanel * kQuad) +
+              j * iVec::size();
+          const iVec v = iVec::loadu(lanes) ^ iVec(static_cast<int32_t>(0x80808080u));
+          w[p * kVecs + j] = at::vec::convert<float>((v << iVec(24 - 8 * t)) >> iVec(24));
+        }
+      for (int r = 0; r < MR; ++r) {
+        const fVec xv(static_cast<float>(b.x.q[(b.row + r) * b.k + quad * kQuad + t]));
+        for (int j = 0; j < NP * kVecs; ++j) sums[r][j] = at::vec::fmadd(w[j], xv, sums[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const fVec xs(b.x.scale[(b.row + r) * b.groups + g]);
+    float* o = b.out + r * b.ldo;
+    for (int j = 0; j < NP * kVecs; ++j) {
+      const int64_t c = j * fVec::size();  // panel j / kVecs, its vector j % kVecs
+      const fVec ws = fVec::loadu(b.scales + ((j / kVecs) * b.groups + g) * kPanel +
+                                  (j % kVecs) * fVec::size());
+      at::vec::fmadd(sums[r][j], ws * xs, fVec::loadu(o + c)).store(o + c);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+bool has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// The same integers through VPDPBUSD: (q + 128) . x, less 128 * sum(x) from the start; all groups
+// in one call (a call per group costs as much as a group's work at one row). The fields of `b` are
+// read into locals first: the stores to b.out would otherwise make the compiler keep the
+// accumulators in memory.
+template <int NP, int MR>
+__attribute__((target("avx512vnni"))) void dot_groups(const Block& b) {
+  static_assert(kVecs == 1, "an AVX-512 vector holds a panel");
+  const int64_t k = b.k, groups = b.groups, panel_bytes = b.panel_bytes, ldo = b.ldo;
+  float* out = b.out;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* x = b.x.q.data() + b.row * k + g * kGroup;
+    const int32_t* xsum = b.x.sum.data() + b.row * groups + g;
+    const float* xscale = b.x.scale.data() + b.row * groups + g;
+    const uint8_t* w = b.tile + g * kGroupBytes;
+    const float* wscale = b.scales + g * kPanel;
+    __m512i acc[MR][NP];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512i start = _mm512_set1_epi32(-128 * xsum[r * groups]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) acc[r][p] = start;
+    }
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kQuadsPerGroup; ++i) {
+      __m512i wv[NP];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p)
+        wv[p] = _mm512_loadu_si512(w + p * panel_bytes + i * kPanel * kQuad);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        int32_t quad_x;
+        std::memcpy(&quad_x, x + r * k + i * kQuad, sizeof(quad_x));
+        const __m512i xv = _mm512_set1_epi32(quad_x);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], wv[p], xv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xs = _mm512_set1_ps(xscale[r * groups]);
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        float* o = out + r * ldo + p * kPanel;
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(wscale + p * groups * kPanel), xs);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][p]), s, _mm512_loadu_ps(o)));
+      }
+    }
+  }
+}
+#endif
+
+template <int NP, int MR>
+void multiply_block(const Block& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (has_vnni()) return dot_groups<NP, MR>(b);
+#endif
+  for (int64_t g = 0; g < b.groups; ++g) multiply_group<NP, MR>(b, g);
+}
+
+// Blocks of NP panels x MR rows, down to 1 x 1: the row count and panel count of the last blocks
+// fixed at compile time.
+template <int NP, int MR>
+void multiply_rows(Block b, int64_t rows) {
+  if constexpr (MR > 0) {
+    for (; rows >= MR; rows -= MR, b.row += MR, b.out += MR * b.ldo) multiply_block<NP, MR>(b);
+    if (rows > 0) multiply_rows<NP, MR - 1>(b, rows);
+  }
+}
+
+// Threads split the panels (as panel_linear); each walks its share NP panels at a time, and each
+// block of rows walks all of their groups (the tile's weights stay in L1 / L2 for the next block).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kFewRows = 2;
+constexpr int kFewNP = 8, kFewMR = 1, kManyNP = 4, kManyMR = 6;
+#else
+constexpr int kFewRows = 0;
+constexpr int kFewNP = 2, kFewMR = 2, kManyNP = 2, kManyMR = 2;
+#endif
+
+template <int NP, int MR, typename T>
+void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const uint8_t* weight,
+              const float* scales, int64_t panels, const std::vector<float>& bias, T* out) {
+  constexpr int64_t kCols = NP * kPanel;
+  const int64_t n = panels * kPanel, groups = k / kGroup, panel_bytes = k * kPanel;
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / (kPanel * k));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> result(rows * kCols);
+    for (int64_t first = begin; first < end; first += NP) {
+      const int64_t np = std::min<int64_t>(NP, end - first);
+      std::fill(result.begin(), result.end(), 0.0f);
+      for (int64_t p = 0; p < np; p += (np == NP ? NP : 1)) {
+        const Block b{x,
+                      k,
+                      groups,
+                      0,
+                      weight + (first + p) * panel_bytes,
+                      panel_bytes,
+                      scales + (first + p) * groups * kPanel,
+                      result.data() + p * kPanel,
+                      kCols};
+        if (np == NP) {
+          multiply_rows<NP, MR>(b, rows);
+        } else {  // the share's last, partial tile: one panel at a time
+          multiply_rows<1, MR>(b, rows);
+        }
+      }
+      store_columns(result.data(), rows, kCols, np * kPanel, bias, first * kPanel, out, n);
+    }
+  });
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& bias) {
+  checks::quant_linear_meta(x, weight, scales, bias);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
+  const int64_t k = xc.size(-1), rows = xc.numel() / k, panels = wc.size(0);
+  std::vector<int64_t> shape = xc.sizes().vec();
+  shape.back() = panels * kPanel;
+  at::Tensor out = at::empty(shape, xc.options());
+  const std::vector<float> b = bias ? float_values(*bias) : std::vector<float>();
+  DFLASH_DISPATCH_FLOATS(x.scalar_type(), "quant_linear", [&] {
+    const QuantizedRows xq = quantize_rows(xc.const_data_ptr<scalar_t>(), rows, k);
+    auto* op = out.mutable_data_ptr<scalar_t>();
+    const auto* w = wc.const_data_ptr<uint8_t>();
+    const float* s = sc.const_data_ptr<float>();
+    if (rows <= kFewRows) {
+      multiply<kFewNP, kFewMR>(xq, rows, k, w, s, panels, b, op);
+    } else {
+      multiply<kManyNP, kManyMR>(xq, rows, k, w, s, panels, b, op);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace dflash::cpu::quant_linear
+
+TORCH_LIBRARY_IMPL(dflash, CPU, m) {
+  m.impl("quant_linear", &dflash::cpu::quant_linear::quant_linear);
+}
