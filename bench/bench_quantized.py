@@ -1,13 +1,14 @@
-"""Decoding speed of the bundled target with 16-bit against 8-bit weights, target-only and
-DFlash, in one run (engines alternate every round, so drift weighs on all alike).
+"""Decoding speed of the bundled target with 16-bit against 8- and 4-bit weights, target-only
+and DFlash, in one run (engines alternate every round, so drift weighs on all alike).
 
     python bench/bench_quantized.py            # writes bench/results/quantized.json
 
 Each engine decodes the held-out GSM8K questions one at a time (concurrency 1), greedy; the
 texts of DFlash and target-only decoding of the same weights must be equal (checked). Prefill
-is excluded from tok/s, as in `dflash bench`. How far the 8-bit target's text follows the bf16
-one: the mean length of their common prefix, and the top-1 agreement of the 8-bit target with
-the bf16 one on the bf16 texts (teacher-forced: each position's argmax given the bf16 prefix).
+is excluded from tok/s, as in `dflash bench`. How far a quantized target's text follows the
+bf16 one: the mean length of their common prefix, and its top-1 agreement with the bf16 target
+on the bf16 texts (teacher-forced: each position's argmax given the bf16 prefix). The bundled
+target ships as GGUF Q4_1, so int4 holds exactly the file's weights.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dflash import LLM, SamplingParams, assets  # noqa: E402
 from dflash.bench import load_dataset  # noqa: E402
 from dflash.models.layers import prefill_metadata  # noqa: E402
 
-FORMATS = {"bf16": None, "int8": "int8"}
+FORMATS = {"bf16": None, "int8": "int8", "int4": "int4"}
 
 
 def decode(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list, float, float]:
@@ -96,23 +97,26 @@ def main(argv=None) -> int:
                      "target-only vs bf16": rate / base, "DFlash vs bf16 target-only":
                      spec_rate / base,
                      "texts equal target-only": texts[(fmt, True)] == texts[(fmt, False)]})
-    reference, quantized = texts[("bf16", False)], texts[("int8", False)]
-    prefix = sum(map(common_prefix, quantized, reference)) / len(reference)
-    # teacher-forced: on prompt + bf16 output, does each position's argmax agree?
-    prompts = [engines[("bf16", False)].encode(engines[("bf16", False)].chat_prompt(q))
-               for q in questions]
+    base_llm = engines[("bf16", False)]
+    reference = texts[("bf16", False)]
+    prompts = [base_llm.encode(base_llm.chat_prompt(q)) for q in questions]
     sequences = [p + t for p, t in zip(prompts, reference)]
-    agree = total = 0
-    for seq, p, a, b in zip(sequences, prompts,
-                            argmax_tokens(engines[("bf16", False)], sequences),
-                            argmax_tokens(engines[("int8", False)], sequences)):
-        decoded = slice(len(p) - 1, len(seq) - 1)   # the positions that predicted the output
-        agree += int((a[decoded] == b[decoded]).sum())
-        total += decoded.stop - decoded.start
-    rows.append({"weights": f"int8 against bf16: common prefix {prefix:.0f} tokens on average "
-                            f"({sum(a == b for a, b in zip(quantized, reference))} of "
-                            f"{len(reference)} texts equal); teacher-forced top-1 agreement "
-                            f"{agree / total:.1%} of {total} positions"})
+    base_argmax = argmax_tokens(base_llm, sequences)
+    for fmt in FORMATS:
+        if FORMATS[fmt] is None:
+            continue
+        quantized = texts[(fmt, False)]
+        prefix = sum(map(common_prefix, quantized, reference)) / len(reference)
+        agree = total = 0
+        for seq, p, a, b in zip(sequences, prompts, base_argmax,
+                                argmax_tokens(engines[(fmt, False)], sequences)):
+            decoded = slice(len(p) - 1, len(seq) - 1)   # the positions that predicted the output
+            agree += int((a[decoded] == b[decoded]).sum())
+            total += decoded.stop - decoded.start
+        rows.append({"weights": f"{fmt} against bf16: common prefix {prefix:.0f} tokens on "
+                                f"average ({sum(a == b for a, b in zip(quantized, reference))} "
+                                f"of {len(reference)} texts equal); teacher-forced top-1 "
+                                f"agreement {agree / total:.1%} of {total} positions"})
     write("quantized", rows, list(rows[0]))
     return 0
 

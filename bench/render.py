@@ -90,11 +90,12 @@ TABLES = [
      "All of SmolLM2-135M's weights per pass (538 MB in float32) for 1-128 rows: float32 column "
      "panels against `F.linear` (MKL), bf16 column panels against float32 panels, bf16 pair "
      "panels against oneDNN's bf16 GEMM."),
-    ("quantized", "8-bit weights", "python bench/bench_quantized.py",
+    ("quantized", "Quantized weights", "python bench/bench_quantized.py",
      "The bundled pair, concurrency 1, greedy, the first 12 held-out questions, 256 tokens, "
-     "activations in bf16; bf16 weights (pair panels) against `quantization=\"int8\"` "
-     "(`quant_linear`), target-only and DFlash (adaptive), the four engines alternating over 2 "
-     "rounds. tok/s excludes prefill. 'vs bf16': against the bf16 target-only rate."),
+     "activations in bf16; bf16 weights (pair panels) against `quantization=\"int8\"` and "
+     "`\"int4\"` (`quant_linear`; int4 holds the shipped Q4_1 weights exactly), target-only and "
+     "DFlash (adaptive), the six engines alternating over 2 rounds. tok/s excludes prefill. "
+     "'vs bf16': against the bf16 target-only rate."),
     (TREE_SIZES, "Acceptance by verify size", "python bench/bench_tree_sizes.py",
      "The bundled pair in float32, greedy, the 20 held-out questions, 256 tokens; each size fixed "
      "for a whole run: a chain of k argmax drafts against a best-first tree of N draft nodes. "

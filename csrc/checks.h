@@ -317,17 +317,21 @@ inline void panel_linear_meta(const at::Tensor& x, const at::Tensor& weight_pane
   if (bias) check_tensor(op, "bias", *bias, kFloats, 1, {weight_panels.size(0) * 16}, x.device());
 }
 
-// weight [N / 16, K / 4, 16, 4] uint8 quad panels (dflash.ops.quantize_int8), scales
-// [N / 16, K / 32, 16] float32, K a multiple of 32; bias [N].
+// 8 bits: weight [N / 16, K / 4, 16, 4] uint8 quad panels (dflash.ops.quantize_int8), no mins;
+// 4 bits: weight [N / 16, K / 8, 16, 4] uint8 nibble panels (dflash.ops.quantize_int4) and mins;
+// scales and mins [N / 16, K / 32, 16] float32, K a multiple of 32; bias [N].
 inline void quant_linear_meta(const at::Tensor& x, const at::Tensor& weight,
-                              const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+                              const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                              const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "quant_linear";
   rows_input(op, x);
   const int64_t k = x.size(-1);
-  DFLASH_CHECK(k % 32 == 0, op, "x has ", k, " columns; int8 weights need a multiple of 32 (one ",
-               "scale per group of 32)");
-  check_tensor(op, "weight", weight, {at::kByte}, 4, {kAny, k / 4, 16, 4}, x.device());
+  DFLASH_CHECK(k % 32 == 0, op, "x has ", k, " columns; quantized weights need a multiple of 32 ",
+               "(one scale per group of 32)");
+  const int64_t per_vector = mins ? 8 : 4;  // inputs per 64-byte vector of a panel
+  check_tensor(op, "weight", weight, {at::kByte}, 4, {kAny, k / per_vector, 16, 4}, x.device());
   check_tensor(op, "scales", scales, {at::kFloat}, 3, {weight.size(0), k / 32, 16}, x.device());
+  if (mins) check_tensor(op, "mins", *mins, {at::kFloat}, 3, scales.sizes(), x.device());
   if (bias) check_tensor(op, "bias", *bias, kFloats, 1, {weight.size(0) * 16}, x.device());
 }
 

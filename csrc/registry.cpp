@@ -31,7 +31,8 @@ TORCH_LIBRARY(dflash, m) {
       "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, int num_heads, "
       "float eps, bool check=True) -> (Tensor, Tensor, Tensor)");
   m.def("panel_linear(Tensor x, Tensor weight_panels, Tensor? bias) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor weight, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
 }
 
 // `import dflash._C` loads the schemas; the module itself has no Python attributes.

@@ -62,6 +62,8 @@ def _stream(llm, prompt_count: int):
 
 
 DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
+# models.layers.QUANTIZATIONS, written out: this module imports torch only when a command runs
+QUANTIZATION_CHOICES = ["int8", "int4"]
 DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes fastest; an "
               "explicit dtype is always used")
 
@@ -69,9 +71,9 @@ DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes f
 def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
     """--dtype, --quantization, --recalibrate, and for DFlash engines --speculation."""
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="quantize the target's linear weights on load (int8: one float32 scale "
-                        "per output column and 32 inputs; default: none)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="quantize the target's linear weights on load, per 32 inputs: int8 "
+                        "(Q8_0's form) or int4 (Q4_1's); default: none")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the engine's cost model again instead of reading its cache")
     if speculation:

@@ -61,6 +61,7 @@ def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive
     dtypes = [str(llm.dtype).removeprefix("torch.") for llm in (spec, base)]
     summary = {
         "dtype": dtypes[0], "target_only_dtype": dtypes[1], "speculation": speculation,
+        "quantization": quantization,
         "prompts": len(QUESTIONS), "identical_outputs": matches,
         "tau": s["mean_acceptance_length"], "draft_acceptance_rate": s["draft_acceptance_rate"],
         "dflash_tok_s": s["throughput_tok_s"], "target_only_tok_s": b["throughput_tok_s"],
@@ -70,7 +71,8 @@ def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive
           f"{summary['draft_acceptance_rate']:.1%}, {summary['dflash_tok_s']:.1f} tok/s | "
           f"target only: {summary['target_only_tok_s']:.1f} tok/s | speedup "
           f"{summary['speedup']:.2f}x | identical outputs: {matches}/{len(QUESTIONS)} "
-          f"(DFlash {dtypes[0]}, {speculation}; target only {dtypes[1]}"
+          f"(DFlash {dtypes[0]}, {speculation}; target only {dtypes[1]}; target weights "
+          f"{quantization or dtypes[0]}"
           f"{'; bf16 rounding can flip near-ties' if _row_dependent(dtypes) else ''})",
           file=out)
     return summary

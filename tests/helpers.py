@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from dflash.engine import tree
@@ -264,3 +265,59 @@ def save_byte_tokenizer(directory, merges=(("Ġ", "t"), ("h", "e"), ("Ġt", "he"
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast
+
+
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for Llama (convert_hf_to_gguf.py LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape).numpy()
+
+
+def write_llama_gguf(hf, path, rope_freqs: np.ndarray | None = None, qtype: str = "F32",
+                     embedding_qtype: str | None = None) -> None:
+    """A Llama target as llama.cpp's converter writes it (tied embeddings): the norms in float32,
+    the layers' linear weights in GGML type `qtype` (e.g. "Q4_1"), the embedding in
+    `embedding_qtype` (default: `qtype`)."""
+    import gguf
+
+    def add(name, w: np.ndarray, qtype=qtype):
+        kind = gguf.GGMLQuantizationType[qtype]
+        if kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    add("token_embd.weight", state["model.embed_tokens.weight"].numpy(),
+        embedding_qtype or qtype)
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        for hf_name, name in names.items():
+            w = state[f"model.layers.{i}.{hf_name}.weight"]
+            if name in ("attn_q", "attn_k"):
+                heads = c.num_attention_heads if name == "attn_q" else c.num_key_value_heads
+                w = torch.from_numpy(_llama_cpp_permute(w, heads))
+            if name.endswith("norm"):
+                writer.add_tensor(f"blk.{i}.{name}.weight", w.numpy())
+            else:
+                add(f"blk.{i}.{name}.weight", w.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

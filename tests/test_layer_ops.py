@@ -259,7 +259,7 @@ def _bad_inputs():
          {"x": torch.ones(5, 39, dtype=torch.bfloat16), "weight_panels": pairs["weight_panels"]}),
         ("panel_linear", "weight_panels has shape \\[3, 19, 16, 2\\], expected size 18 in dim 1",
          {"x": pairs["x"][:, :36], "weight_panels": pairs["weight_panels"]}),
-        ("quant_linear", "x has 48 columns; int8 weights need a multiple of 32",
+        ("quant_linear", "x has 48 columns; quantized weights need a multiple of 32",
          {"x": ql["x"][:, :48]}),
         ("quant_linear", "weight has dtype torch.int8, expected torch.uint8",
          {"weight": ql["weight"].to(torch.int8)}),

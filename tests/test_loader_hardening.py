@@ -19,7 +19,7 @@ from dflash.models.layers import DEFAULT_ROPE_POSITIONS, rope_cos_sin
 from dflash.models.loader import CheckpointError
 from dflash.train import TrainConfig, Trainer
 
-from helpers import make_tiny_draft, make_tiny_target, sequence_metadata
+from helpers import make_tiny_draft, make_tiny_target, sequence_metadata, write_llama_gguf
 
 
 @pytest.fixture(scope="module")
@@ -158,50 +158,10 @@ def _llama_cpp_rope_freqs(rope: dict, theta: float, head_dim: int) -> np.ndarray
     return np.array(factors, dtype=np.float32)
 
 
-def _llama_cpp_permute(w: torch.Tensor, heads: int) -> np.ndarray:
-    """llama.cpp's q/k row order for Llama (convert_hf_to_gguf.py LlamaModel.permute)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape).numpy()
-
-
-def _write_llama_gguf(hf, path: Path, rope_freqs: np.ndarray) -> None:
-    """A Llama target as llama.cpp's converter writes it (float32, tied embeddings)."""
-    gguf = pytest.importorskip("gguf")
-    c = hf.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    state = {k: v.detach() for k, v in hf.state_dict().items()}
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
-    writer.add_tensor("rope_freqs.weight", rope_freqs)
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for i in range(c.num_hidden_layers):
-        for hf_name, name in names.items():
-            w = state[f"model.layers.{i}.{hf_name}.weight"]
-            if name in ("attn_q", "attn_k"):
-                heads = c.num_attention_heads if name == "attn_q" else c.num_key_value_heads
-                w = torch.from_numpy(_llama_cpp_permute(w, heads))
-            writer.add_tensor(f"blk.{i}.{name}.weight", w.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_a_llama3_gguf_gets_its_rope_scaling_back_and_matches_transformers(tmp_path):
     hf = make_tiny_target(tmp_path / "hf", "llama")   # rope_type llama3, 2 blended frequencies
     rope, theta = hf.config.rope_parameters, hf.config.rope_parameters["rope_theta"]
-    _write_llama_gguf(hf, tmp_path / "llama3.gguf",
+    write_llama_gguf(hf, tmp_path / "llama3.gguf",
                       _llama_cpp_rope_freqs(rope, theta, hf.config.head_dim))
     ours = load_target(tmp_path / "llama3.gguf", torch.float32)
     assert ours.cfg.attn.rope_scaling == {k: rope[k] for k in (
@@ -217,7 +177,7 @@ def test_a_llama3_gguf_gets_its_rope_scaling_back_and_matches_transformers(tmp_p
 def test_rope_freqs_that_are_no_llama3_scaling_are_refused(tmp_path):
     hf = make_tiny_target(tmp_path / "hf", "llama")
     path = tmp_path / "odd.gguf"
-    _write_llama_gguf(hf, path, np.array([1, 3, 1, 2, 5, 8, 8, 8], dtype=np.float32))
+    write_llama_gguf(hf, path, np.array([1, 3, 1, 2, 5, 8, 8, 8], dtype=np.float32))
     with pytest.raises(ConfigError, match=r"odd.gguf: rope_freqs.weight \[1.0, 3.0, .* is not "
                                           r"a Llama-3 RoPE scaling"):
         load_target(path, torch.float32)

@@ -12,6 +12,7 @@ import torch
 from dflash import LLM, SamplingParams
 from dflash.cli import main
 from dflash.models import ConfigError, load_target
+from dflash.models.layers import QuantizedWeight
 from dflash.models.parallel import TensorParallel
 
 from helpers import RandomVerifySchedule, make_tiny_draft, make_tiny_target
@@ -141,6 +142,24 @@ def test_tp2_adaptive_calibrates_through_the_group_and_stays_exact(models):
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == expected
         assert llm.metrics()["draft_skipped_steps"] > 0
         assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_tp2_quantized_target_stays_exact(models):
+    """An int8 target split over two ranks (the row-parallel projections' K halves hold whole
+    groups of 32): DFlash, verifying blocks of 8 rows, equals target-only decoding of the same
+    split, token for token."""
+    target, draft = models["qwen3"]
+    greedy = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
+    with LLM(target, None, dtype="float32", max_num_seqs=3, tp_size=2, tp_timeout=60,
+             quantization="int8") as base:
+        expected = [o.token_ids for o in base.generate(PROMPTS, greedy)]
+    with _llm(target, draft, tp_size=2, tp_timeout=60, draft_sampling="greedy",
+              quantization="int8") as llm:
+        assert isinstance(llm.target.layers[0].attn.o, QuantizedWeight)
+        outs = llm.generate(PROMPTS, greedy)
+        assert [o.token_ids for o in outs] == expected
+        # every step verified a full block (the random draft's tokens are rarely accepted)
+        assert sum(o.metrics.num_drafts for o in outs) > 0
 
 
 def test_tp2_trees_stay_exact_and_follow_rank_0(models):

@@ -1,8 +1,9 @@
-// quant_linear on CPU: y = x @ W^T + bias for an 8-bit weight in quad panels with one float32
-// scale per output column and group of 32 inputs (dflash.ops.quantize_int8; docs/design.md 3.4).
+// quant_linear on CPU: y = x @ W^T + bias for an 8- or 4-bit weight in quad panels with one
+// float32 scale (and for 4 bits one float32 minimum) per output column and group of 32 inputs
+// (dflash.ops.quantize_int8 / quantize_int4; docs/design.md 3.4).
 //
 // Decoding streams every weight once per step, so a weight of 1 byte (plus 4 bytes of scale per
-// 32) halves the bytes of bf16. The activations are quantized too, per row and group of 32
+// 32) halves the bytes of bf16, and one of half a byte (plus 8 bytes per 32) takes 3/8 of them. The activations are quantized too, per row and group of 32
 // (scale max|x| / 127, round to nearest even), as llama.cpp does for its Q8_0 weights: a group's
 // dot product is then an exact integer, computed by AVX512-VNNI's VPDPBUSD (64 byte products per
 // instruction) where the CPU has it, else in float32 from bytes widened as they load (every
@@ -12,10 +13,14 @@
 // the call, the thread split or the path, so the rows of a verification equal the one-token
 // decodes of the same tokens bit for bit.
 //
-// Layout (dflash.ops.to_quad_panels): weight[p, i, j, t] = q[16 p + j, 4 i + t] + 128, uint8 (the
-// int8 value q offset by 128): one 64-byte vector holds 4 consecutive inputs of 16 columns in
+// 8-bit layout (dflash.ops.to_quad_panels): weight[p, i, j, t] = q[16 p + j, 4 i + t] + 128, uint8
+// (the int8 value q offset by 128): one 64-byte vector holds 4 consecutive inputs of 16 columns in
 // VPDPBUSD's operand order, and as its unsigned operand as stored. The integer of a group is then
 // sum((q + 128) x), from which 128 * sum(x) (known per row) is taken out.
+// 4-bit layout (dflash.ops.to_nibble_panels): codes c in 0..15 with W = c * scale + min; byte
+// [p, i, j, t] holds c[16 p + j, 8 i + t] in its low and c[16 p + j, 8 i + 4 + t] in its high
+// nibble, so a 64-byte vector masked and shifted gives two quads in the 8-bit layout's order. A
+// group adds sum(c x) * w_scale * x_scale, then min * x_scale * sum(x).
 #include "cpu/common.h"
 
 namespace dflash::cpu::quant_linear {
@@ -27,7 +32,9 @@ constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int64_t kQuad = 4;    // inputs per 32-bit lane
 constexpr int64_t kGroup = 32;  // inputs per scale
 constexpr int64_t kQuadsPerGroup = kGroup / kQuad;
-constexpr int64_t kGroupBytes = kQuadsPerGroup * kPanel * kQuad;  // one panel's group
+// bytes of one panel's group of 32 inputs
+template <int Bits>
+constexpr int64_t kGroupBytes = kQuadsPerGroup * kPanel * kQuad * Bits / 8;
 constexpr int kVecs = kPanel / fVec::size();
 static_assert(kPanel % fVec::size() == 0 && iVec::size() == fVec::size(), "whole vectors");
 
@@ -101,14 +108,28 @@ struct Block {
   const uint8_t* tile;
   int64_t panel_bytes;
   const float* scales;  // the tile's first panel's scales [groups, 16]
+  const float* mins;    // 4 bits: its minimums [groups, 16]
   float* out;
   int64_t ldo;
 };
 
-// Group g's integer sums in float32, then acc += sum * (w_scale * x_scale): each 32-bit lane of a
-// panel vector holds a column's 4 weights; the offset is flipped away (q + 128 xor 128 = q as
-// int8), byte t shifted to the top and back down (sign-extending), then widened to float.
-template <int NP, int MR>
+// 8 bits: q of input 4 quad + t of the columns whose 32-bit lanes start at `lanes`: the offset
+// flipped away (q + 128 xor 128 = q as int8), byte t shifted to the top and back down
+// (sign-extending). 4 bits: the code, nibble (quad % 2) of byte t.
+template <int Bits>
+inline iVec weights_of(const uint8_t* lanes, int64_t quad, int t) {
+  const iVec v = iVec::loadu(lanes);
+  if constexpr (Bits == 8) {
+    return ((v ^ iVec(static_cast<int32_t>(0x80808080u))) << iVec(24 - 8 * t)) >> iVec(24);
+  } else {
+    return (v >> iVec(8 * t + 4 * static_cast<int>(quad % 2))) & iVec(0xf);
+  }
+}
+
+// Group g's integer sums in float32 (each 32-bit lane of a panel vector holds a column's 4
+// weights, widened as weights_of gives them), then acc += sum * (w_scale * x_scale) (+ min *
+// (x_scale * sum(x)) for 4 bits).
+template <int Bits, int NP, int MR>
 void multiply_group(const Block& b, int64_t g) {
   fVec sums[MR][NP * kVecs];
   for (int r = 0; r < MR; ++r)
@@ -119,11 +140,10 @@ void multiply_group(const Block& b, int64_t g) {
       fVec w[NP * kVecs];
       for (int p = 0; p < NP; ++p)
         for (int j = 0; j < kVecs; ++j) {
-          const auto* lanes =
-              reinterpret_cast<const int32_t*>(b.tile + p * b.panel_bytes + quad * kPanel * kQuad) +
-              j * iVec::size();
-          const iVec v = iVec::loadu(lanes) ^ iVec(static_cast<int32_t>(0x80808080u));
-          w[p * kVecs + j] = at::vec::convert<float>((v << iVec(24 - 8 * t)) >> iVec(24));
+          const int64_t vector = Bits == 8 ? quad : quad / 2;  // 64-byte vectors into the panel
+          const uint8_t* lanes = b.tile + p * b.panel_bytes + vector * kPanel * kQuad +
+                                 j * iVec::size() * sizeof(int32_t);
+          w[p * kVecs + j] = at::vec::convert<float>(weights_of<Bits>(lanes, quad, t));
         }
       for (int r = 0; r < MR; ++r) {
         const fVec xv(static_cast<float>(b.x.q[(b.row + r) * b.k + quad * kQuad + t]));
@@ -132,13 +152,15 @@ void multiply_group(const Block& b, int64_t g) {
     }
   }
   for (int r = 0; r < MR; ++r) {
-    const fVec xs(b.x.scale[(b.row + r) * b.groups + g]);
+    const int64_t rg = (b.row + r) * b.groups + g;
+    const fVec xs(b.x.scale[rg]), xsum(b.x.scale[rg] * static_cast<float>(b.x.sum[rg]));
     float* o = b.out + r * b.ldo;
     for (int j = 0; j < NP * kVecs; ++j) {
       const int64_t c = j * fVec::size();  // panel j / kVecs, its vector j % kVecs
-      const fVec ws = fVec::loadu(b.scales + ((j / kVecs) * b.groups + g) * kPanel +
-                                  (j % kVecs) * fVec::size());
-      at::vec::fmadd(sums[r][j], ws * xs, fVec::loadu(o + c)).store(o + c);
+      const int64_t at = ((j / kVecs) * b.groups + g) * kPanel + (j % kVecs) * fVec::size();
+      fVec acc = at::vec::fmadd(sums[r][j], fVec::loadu(b.scales + at) * xs, fVec::loadu(o + c));
+      if constexpr (Bits == 4) acc = at::vec::fmadd(fVec::loadu(b.mins + at), xsum, acc);
+      acc.store(o + c);
     }
   }
 }
@@ -149,11 +171,11 @@ bool has_vnni() {
   return has;
 }
 
-// The same integers through VPDPBUSD: (q + 128) . x, less 128 * sum(x) from the start; all groups
-// in one call (a call per group costs as much as a group's work at one row). The fields of `b` are
-// read into locals first: the stores to b.out would otherwise make the compiler keep the
-// accumulators in memory.
-template <int NP, int MR>
+// The same integers through VPDPBUSD: 8 bits: (q + 128) . x, less 128 * sum(x) from the start; 4
+// bits: c . x, the nibbles masked out of each vector. All groups in one call (a call per group
+// costs as much as a group's work at one row). The fields of `b` are read into locals first: the
+// stores to b.out would otherwise make the compiler keep the accumulators in memory.
+template <int Bits, int NP, int MR>
 __attribute__((target("avx512vnni"))) void dot_groups(const Block& b) {
   static_assert(kVecs == 1, "an AVX-512 vector holds a panel");
   const int64_t k = b.k, groups = b.groups, panel_bytes = b.panel_bytes, ldo = b.ldo;
@@ -162,97 +184,132 @@ __attribute__((target("avx512vnni"))) void dot_groups(const Block& b) {
     const int8_t* x = b.x.q.data() + b.row * k + g * kGroup;
     const int32_t* xsum = b.x.sum.data() + b.row * groups + g;
     const float* xscale = b.x.scale.data() + b.row * groups + g;
-    const uint8_t* w = b.tile + g * kGroupBytes;
+    const uint8_t* w = b.tile + g * kGroupBytes<Bits>;
     const float* wscale = b.scales + g * kPanel;
     __m512i acc[MR][NP];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const __m512i start = _mm512_set1_epi32(-128 * xsum[r * groups]);
+      const __m512i start = _mm512_set1_epi32(Bits == 8 ? -128 * xsum[r * groups] : 0);
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) acc[r][p] = start;
     }
+    // 8 bits: a vector per quad; 4 bits: a vector per two quads (low nibbles, then high ones)
+    constexpr int kQuadsPerVector = 8 / Bits;
 #pragma GCC unroll 8
-    for (int64_t i = 0; i < kQuadsPerGroup; ++i) {
-      __m512i wv[NP];
+    for (int64_t i = 0; i < kQuadsPerGroup / kQuadsPerVector; ++i) {
+      __m512i wv[kQuadsPerVector][NP];
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-        wv[p] = _mm512_loadu_si512(w + p * panel_bytes + i * kPanel * kQuad);
+      for (int p = 0; p < NP; ++p) {
+        const __m512i v = _mm512_loadu_si512(w + p * panel_bytes + i * kPanel * kQuad);
+        if constexpr (Bits == 8) {
+          wv[0][p] = v;
+        } else {
+          const __m512i nibble = _mm512_set1_epi8(0x0f);
+          wv[0][p] = _mm512_and_si512(v, nibble);
+          wv[kQuadsPerVector - 1][p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        int32_t quad_x;
-        std::memcpy(&quad_x, x + r * k + i * kQuad, sizeof(quad_x));
-        const __m512i xv = _mm512_set1_epi32(quad_x);
+#pragma GCC unroll 2
+        for (int h = 0; h < kQuadsPerVector; ++h) {
+          int32_t quad_x;
+          std::memcpy(&quad_x, x + r * k + (i * kQuadsPerVector + h) * kQuad, sizeof(quad_x));
+          const __m512i xv = _mm512_set1_epi32(quad_x);
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], wv[p], xv);
+          for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], wv[h][p], xv);
+        }
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512 xs = _mm512_set1_ps(xscale[r * groups]);
+      const __m512 xsum_scaled =
+          _mm512_set1_ps(xscale[r * groups] * static_cast<float>(xsum[r * groups]));
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
         float* o = out + r * ldo + p * kPanel;
         const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(wscale + p * groups * kPanel), xs);
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][p]), s, _mm512_loadu_ps(o)));
+        __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][p]), s, _mm512_loadu_ps(o));
+        if constexpr (Bits == 4)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(b.mins + g * kPanel + p * groups * kPanel),
+                                xsum_scaled, sum);
+        _mm512_storeu_ps(o, sum);
       }
     }
   }
 }
 #endif
 
-template <int NP, int MR>
+template <int Bits, int NP, int MR>
 void multiply_block(const Block& b) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (has_vnni()) return dot_groups<NP, MR>(b);
+  if (has_vnni()) return dot_groups<Bits, NP, MR>(b);
 #endif
-  for (int64_t g = 0; g < b.groups; ++g) multiply_group<NP, MR>(b, g);
+  for (int64_t g = 0; g < b.groups; ++g) multiply_group<Bits, NP, MR>(b, g);
 }
 
 // Blocks of NP panels x MR rows, down to 1 x 1: the row count and panel count of the last blocks
 // fixed at compile time.
-template <int NP, int MR>
+template <int Bits, int NP, int MR>
 void multiply_rows(Block b, int64_t rows) {
   if constexpr (MR > 0) {
-    for (; rows >= MR; rows -= MR, b.row += MR, b.out += MR * b.ldo) multiply_block<NP, MR>(b);
-    if (rows > 0) multiply_rows<NP, MR - 1>(b, rows);
+    for (; rows >= MR; rows -= MR, b.row += MR, b.out += MR * b.ldo)
+      multiply_block<Bits, NP, MR>(b);
+    if (rows > 0) multiply_rows<Bits, NP, MR - 1>(b, rows);
   }
 }
 
 // Threads split the panels (as panel_linear); each walks its share NP panels at a time, and each
 // block of rows walks all of their groups (the tile's weights stay in L1 / L2 for the next block).
+// 4 bits hold two vectors of weights per load in registers: fewer rows per block.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kFewRows = 2;
-constexpr int kFewNP = 8, kFewMR = 1, kManyNP = 4, kManyMR = 6;
+constexpr int kFewNP = 8, kFewMR = 1, kManyNP = 4;
+template <int Bits>
+constexpr int kManyMR = Bits == 8 ? 6 : 4;
 #else
 constexpr int kFewRows = 0;
-constexpr int kFewNP = 2, kFewMR = 2, kManyNP = 2, kManyMR = 2;
+constexpr int kFewNP = 2, kFewMR = 2, kManyNP = 2;
+template <int Bits>
+constexpr int kManyMR = 2;
 #endif
 
-template <int NP, int MR, typename T>
-void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const uint8_t* weight,
-              const float* scales, int64_t panels, const std::vector<float>& bias, T* out) {
+// The weight's tensors as the kernel reads them.
+struct Weight {
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;  // 4 bits only
+  int64_t panels;
+};
+
+template <int Bits, int NP, int MR, typename T>
+void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
+              const std::vector<float>& bias, T* out) {
   constexpr int64_t kCols = NP * kPanel;
-  const int64_t n = panels * kPanel, groups = k / kGroup, panel_bytes = k * kPanel;
+  const int64_t n = w.panels * kPanel, groups = k / kGroup, panel_bytes = k * kPanel * Bits / 8;
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / (kPanel * k));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, w.panels, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> result(rows * kCols);
     for (int64_t first = begin; first < end; first += NP) {
       const int64_t np = std::min<int64_t>(NP, end - first);
       std::fill(result.begin(), result.end(), 0.0f);
       for (int64_t p = 0; p < np; p += (np == NP ? NP : 1)) {
+        const int64_t at = (first + p) * groups * kPanel;
         const Block b{x,
                       k,
                       groups,
                       0,
-                      weight + (first + p) * panel_bytes,
+                      w.codes + (first + p) * panel_bytes,
                       panel_bytes,
-                      scales + (first + p) * groups * kPanel,
+                      w.scales + at,
+                      w.mins == nullptr ? nullptr : w.mins + at,
                       result.data() + p * kPanel,
                       kCols};
         if (np == NP) {
-          multiply_rows<NP, MR>(b, rows);
+          multiply_rows<Bits, NP, MR>(b, rows);
         } else {  // the share's last, partial tile: one panel at a time
-          multiply_rows<1, MR>(b, rows);
+          multiply_rows<Bits, 1, MR>(b, rows);
         }
       }
       store_columns(result.data(), rows, kCols, np * kPanel, bias, first * kPanel, out, n);
@@ -260,24 +317,36 @@ void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const uint8_t* we
   });
 }
 
+template <int Bits, typename T>
+void multiply_any(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
+                  const std::vector<float>& bias, T* out) {
+  if (rows <= kFewRows) {
+    multiply<Bits, kFewNP, kFewMR>(x, rows, k, w, bias, out);
+  } else {
+    multiply<Bits, kManyNP, kManyMR<Bits>>(x, rows, k, w, bias, out);
+  }
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins,
                         const std::optional<at::Tensor>& bias) {
-  checks::quant_linear_meta(x, weight, scales, bias);
+  checks::quant_linear_meta(x, weight, scales, mins, bias);
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous(), sc = scales.contiguous();
+  const at::Tensor mc = mins ? mins->contiguous() : at::Tensor();
   const int64_t k = xc.size(-1), rows = xc.numel() / k, panels = wc.size(0);
   std::vector<int64_t> shape = xc.sizes().vec();
   shape.back() = panels * kPanel;
   at::Tensor out = at::empty(shape, xc.options());
   const std::vector<float> b = bias ? float_values(*bias) : std::vector<float>();
+  const Weight w{wc.const_data_ptr<uint8_t>(), sc.const_data_ptr<float>(),
+                 mins ? mc.const_data_ptr<float>() : nullptr, panels};
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "quant_linear", [&] {
     const QuantizedRows xq = quantize_rows(xc.const_data_ptr<scalar_t>(), rows, k);
     auto* op = out.mutable_data_ptr<scalar_t>();
-    const auto* w = wc.const_data_ptr<uint8_t>();
-    const float* s = sc.const_data_ptr<float>();
-    if (rows <= kFewRows) {
-      multiply<kFewNP, kFewMR>(xq, rows, k, w, s, panels, b, op);
+    if (mins) {
+      multiply_any<4>(xq, rows, k, w, b, op);
     } else {
-      multiply<kManyNP, kManyMR>(xq, rows, k, w, s, panels, b, op);
+      multiply_any<8>(xq, rows, k, w, b, op);
     }
   });
   return out;

@@ -55,10 +55,10 @@ class LLM:
             "fixed": every sequence verifies all B-1 drafts (the published DFlash schedule).
         recalibrate: measure the cost model again instead of reading its cache (kept in
             $DFLASH_CALIBRATION_DIR, default ~/.cache/dflash/calibration).
-        quantization: None (default: the target's GEMM weights in `dtype`) or "int8": its
-            dense linear weights and lm_head quantized on load to int8 with a float32 scale per
-            output column and group of 32 inputs (docs/design.md 4.7; CPU). The draft stays
-            in `dtype`.
+        quantization: None (default: the target's GEMM weights in `dtype`), "int8" or "int4":
+            its dense linear weights and lm_head quantized on load per output column and group
+            of 32 inputs, in llama.cpp's Q8_0 / Q4_1 forms (docs/design.md 4.7; CPU). The draft
+            stays in `dtype`.
 
     Attributes: `engine` (the `LLMEngine` it drives) and, read from it, `target`, `draft`,
     `tokenizer`, `dtype` (the torch dtype in use), `block_size`, `max_num_seqs`,

@@ -135,28 +135,29 @@ PANEL_MAX_ROWS = 1024
 
 
 # weight formats a target's GEMM weights may be quantized to on load (docs/design.md 4.7)
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
-class Int8Weight:
-    """A linear weight quantized by `ops.quantize_int8` for `ops.quant_linear`: uint8 quad panels
-    [N / 16, K / 4, 16, 4] (int8 values + 128) and float32 scales [N / 16, K / 32, 16] (one per
-    output column and group of 32 inputs)."""
+class QuantizedWeight:
+    """A linear weight for `ops.quant_linear`: 8 bits from `ops.quantize_int8` (uint8 quad panels
+    [N / 16, K / 4, 16, 4] of int8 values + 128, float32 scales [N / 16, K / 32, 16], mins None)
+    or 4 bits from `ops.quantize_int4` (nibble panels [N / 16, K / 8, 16, 4], scales and mins)."""
 
-    quads: torch.Tensor
+    codes: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.quads.nbytes + self.scales.nbytes
+        return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """F.linear that also takes weights re-laid out by `pack_linear_weight` (inference only:
     packed and quantized weights have no backward)."""
-    if isinstance(weight, Int8Weight):
-        return ops.quant_linear(x, weight.quads, weight.scales, bias)
+    if isinstance(weight, QuantizedWeight):
+        return ops.quant_linear(x, weight.codes, weight.scales, weight.mins, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if is_panels(weight):
@@ -173,13 +174,25 @@ def is_panels(weight: torch.Tensor) -> bool:
         (weight.dim() == 4 and tuple(weight.shape[-2:]) == (PANEL, 2))
 
 
-def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16,
-                       quantization: str | None = None) -> torch.Tensor | Int8Weight:
-    """A CPU weight [N, K] re-laid out for the few rows of decoding, else the weight unchanged.
-    Packed weights serve inference only (`linear`), with the same float32 accumulation.
+def quantize_linear_weight(weight: torch.Tensor, quantization: str) -> QuantizedWeight | None:
+    """`weight` [N, K] in the format `quantization` names (QUANTIZATIONS: "int8",
+    `ops.quantize_int8`; "int4", `ops.quantize_int4`), or None where the format cannot hold it
+    (N not a multiple of 16, K not of 32, not on CPU, no CPU kernel)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    n, k = weight.shape
+    if n % PANEL or k % GROUP or weight.device.type != "cpu" or \
+            not registry.has_kernel("quant_linear"):
+        return None
+    quantize = ops.quantize_int8 if quantization == "int8" else ops.quantize_int4
+    return QuantizedWeight(*quantize(weight))
 
-    quantization "int8": an `Int8Weight` (`ops.quantize_int8`) wherever N is a multiple of 16 and
-    K of 32 and the CPU kernel exists; other weights are packed as without it.
+
+def pack_linear_weight(weight, rows_hint: int = 16):
+    """A CPU weight [N, K] re-laid out for the few rows of decoding, else the weight unchanged
+    (a quantized one, `QuantizedWeight`, too). Packed weights serve inference only (`linear`), with
+    the same float32 accumulation.
 
     On CPU, torch's GEMMs are slow for small row counts (1-16 rows per sequence). Float32
     weights, and bfloat16 ones as `host.bf16_gemm` says, go to:
@@ -192,11 +205,9 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16,
     beside it; oneDNN's may. Their times against MKL / oneDNN: docs/performance.md
     (bench/bench_panel_linear.py).
     """
-    if weight.device.type != "cpu" or weight.is_mkldnn or weight.dim() != 2:
+    if isinstance(weight, QuantizedWeight) or weight.device.type != "cpu" or weight.is_mkldnn or \
+            weight.dim() != 2:
         return weight
-    if quantization == "int8" and weight.shape[0] % PANEL == 0 and weight.shape[1] % GROUP == 0 \
-            and registry.has_kernel("quant_linear"):
-        return Int8Weight(*ops.quantize_int8(weight))
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return weight
     path = host.bf16_gemm() if weight.dtype == torch.bfloat16 else "panels"
@@ -209,28 +220,37 @@ def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 16,
     return ops.to_panels(weight)
 
 
-def unpacked(weight: torch.Tensor | Int8Weight) -> torch.Tensor:
+def unpacked(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     """The plain [N, K] tensor of a weight, packed by `pack_linear_weight` or not (a quantized
     one dequantized to float32)."""
-    if isinstance(weight, Int8Weight):
-        return ops.dequantize_int8(weight.quads, weight.scales)
+    if isinstance(weight, QuantizedWeight):
+        return ops.dequantize_int8(weight.codes, weight.scales) if weight.mins is None else \
+            ops.dequantize_int4(weight.codes, weight.scales, weight.mins)
     if weight.is_mkldnn:
         return weight.to_dense()
     return ops.from_panels(weight) if is_panels(weight) else weight
 
 
-def pack_parameter(module: torch.nn.Module, name: str, quantization: str | None = None) -> None:
-    """Replace the weight parameter `name` of `module` by its packed or quantized form
-    (`pack_linear_weight`; a quantized weight is a plain attribute, not a parameter)."""
+def pack_parameter(module: torch.nn.Module, name: str) -> None:
+    """Replace the weight parameter `name` of `module` by its packed form (`pack_linear_weight`;
+    a quantized weight, an attribute rather than a parameter, stays as it is)."""
     weight = getattr(module, name)
-    if not isinstance(weight, torch.Tensor):   # packed before
-        return
-    packed = pack_linear_weight(weight.data, quantization=quantization)
-    if isinstance(packed, Int8Weight):
-        delattr(module, name)
-        setattr(module, name, packed)
-    else:
+    if isinstance(weight, torch.Tensor):
+        packed = pack_linear_weight(weight.data)
         module._parameters[name] = torch.nn.Parameter(packed, requires_grad=False)
+
+
+def quantize_parameter(module: torch.nn.Module, name: str, quantization: str,
+                       dtype: torch.dtype) -> None:
+    """Replace the weight parameter `name` of `module` by an attribute holding it quantized
+    (`quantize_linear_weight`), or, where the format cannot hold it, by the weight in `dtype`."""
+    weight = getattr(module, name).data
+    quantized = quantize_linear_weight(weight, quantization)
+    if quantized is None:
+        module._parameters[name] = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+    else:
+        delattr(module, name)
+        setattr(module, name, quantized)
 
 
 def _use_fused_ops(*tensors: torch.Tensor) -> bool:

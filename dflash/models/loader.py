@@ -192,9 +192,11 @@ class DictCheckpoint:
 
 
 def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str,
-             dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> None:
+             dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
+             wide: frozenset[str] = frozenset()) -> None:
     """Fill every placeholder parameter of `model` from the checkpoint, checking names/shapes;
-    with `tp`, each parameter is this rank's shard."""
+    with `tp`, each parameter is this rank's shard. Parameters named in `wide` are filled in
+    float32 instead of `dtype` (the checkpoint's values, for a quantizer to read)."""
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert set(expected) == set(recipe), sorted(set(expected) ^ set(recipe))
     for src in recipe.values():   # validate everything before reading anything
@@ -210,7 +212,8 @@ def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str
             parts = [ckpt.get(name) for name, _ in src.tensors]
         else:
             parts = [tp.shard(src.shard, ckpt.lazy(name), shape) for name, shape in _held(src, tp)]
-        parts = [part.to(device=device, dtype=dtype) for part in parts]
+        parts = [part.to(device=device, dtype=torch.float32 if ours in wide else dtype)
+                 for part in parts]
         if src.group:
             parts = [torch.cat(parts[i:i + src.group]) for i in range(0, len(parts), src.group)]
             value = torch.stack(parts)
@@ -378,7 +381,8 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
     """A target model from a Hugging Face directory or a GGUF file (dequantized on load); with
     `tp`, only this rank's tensor-parallel shard is read. `max_positions`: the longest sequence
     it will serve (its RoPE table's rows, at most max_position_embeddings). `quantization`
-    (layers.QUANTIZATIONS): the format `pack_weights` quantizes its GEMM weights to."""
+    (layers.QUANTIZATIONS): the format its linear weights are quantized to
+    (`TargetModel.quantize`)."""
     path = _resolve(path)
     gguf_file = _gguf_file(path)
     if gguf_file is not None:
@@ -391,8 +395,12 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
     if ckpt is None:
         ckpt = SafetensorsCheckpoint(path)
     model = TargetModel(cfg, tp, max_positions)
-    assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device), tp)
-    model.quantization = quantization
+    # quantized from the checkpoint's own values: a GGUF Q8_0 tensor comes back exactly
+    wide = frozenset(model.linear_weights() + ["embed", "lm_head"]) if quantization else frozenset()
+    assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device), tp,
+             wide & set(target_recipe(cfg)))
+    if quantization:
+        model.quantize(quantization, dtype)
     return model.eval()
 
 

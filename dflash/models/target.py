@@ -19,11 +19,13 @@ from .. import ops
 from .config import TargetConfig
 from .layers import (
     AttentionMetadata,
-    Int8Weight,
+    QuantizedWeight,
     add_rms_norm,
     linear,
     pack_linear_weight,
     pack_parameter,
+    quantize_linear_weight,
+    quantize_parameter,
     rms_norm,
     rope_cos_sin,
     rope_positions,
@@ -76,9 +78,11 @@ class MLP(nn.Module):
         self.down = _param(hidden, intermediate)
         self.tp = tp
 
-    def pack_weights(self, quantization: str | None = None) -> None:
-        pack_parameter(self, "gate_up", quantization)
-        pack_parameter(self, "down", quantization)
+    WEIGHTS = ("gate_up", "down")   # the linear weights, as pack_weights and quantize see them
+
+    def pack_weights(self) -> None:
+        for name in self.WEIGHTS:
+            pack_parameter(self, name)
 
     def forward(self, x):
         out = linear(silu_and_mul(linear(x, self.gate_up)), self.down)
@@ -159,9 +163,8 @@ class TargetModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = _param(h)
         self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, h)
-        self.packed_head: torch.Tensor | Int8Weight | None = None   # see pack_weights
-        # the format pack_weights quantizes the GEMM weights to (layers.QUANTIZATIONS), or None
-        self.quantization: str | None = None
+        self.packed_head: torch.Tensor | QuantizedWeight | None = None   # see pack_weights
+        self.quantization: str | None = None   # see quantize
         self.register_buffer("cos_sin", rope_cos_sin(
             cfg.attn, rope_positions(cfg.attn, max_positions)), persistent=False)
 
@@ -203,18 +206,45 @@ class TargetModel(nn.Module):
         logits = linear(hidden, head)
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.cfg.vocab_size)
 
+    def linear_weights(self) -> list[str]:
+        """The names of the dense linear weights (the attention projections, a dense MLP's; not
+        MoE experts nor the router), e.g. "layers.0.attn.qkv"."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            out += [f"layers.{i}.attn.qkv", f"layers.{i}.attn.o"]
+            if isinstance(layer.mlp, MLP):
+                out += [f"layers.{i}.mlp.{name}" for name in MLP.WEIGHTS]
+        return out
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        module, _, leaf = name.rpartition(".")
+        return self.get_submodule(module), leaf
+
+    def quantize(self, quantization: str, dtype: torch.dtype) -> None:
+        """Quantize the dense linear weights and the lm_head (`layers.quantize_linear_weight`)
+        from their values as loaded, which may be wider than `dtype` (float32: a GGUF's exact
+        values); weights the format cannot hold, and the embedding (lookups; a tied lm_head
+        gets a quantized copy), end in `dtype`. Under "int4" the lm_head takes int8, as
+        llama.cpp's 4-bit files keep their output matrix in 6 or 8 bits: the logits are where
+        4 bits cost the most agreement."""
+        for name in self.linear_weights():
+            quantize_parameter(*self._owner(name), quantization, dtype)
+        head = "int8" if quantization == "int4" else quantization
+        self.packed_head = quantize_linear_weight(self.output_embedding.data, head)
+        for name in ("embed", "lm_head"):
+            if getattr(self, name) is not None:
+                setattr(self, name, nn.Parameter(getattr(self, name).data.to(dtype),
+                                                 requires_grad=False))
+        self.quantization = quantization
+
     def pack_weights(self) -> None:
         """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
-        `pack_linear_weight`; a no-op off CPU and for float16), quantized to `self.quantization`
-        if set (MoE experts and the router stay as loaded). The embedding stays as it is for
-        lookups, so a tied lm_head gets a packed copy."""
-        q = self.quantization
-        for layer in self.layers:
-            pack_parameter(layer.attn, "qkv", q)
-            pack_parameter(layer.attn, "o", q)
-            if isinstance(layer.mlp, MLP):
-                layer.mlp.pack_weights(q)
-        self.packed_head = pack_linear_weight(self.output_embedding.data, quantization=q)
+        `pack_linear_weight`; a no-op off CPU, for float16 and for quantized weights). The
+        embedding stays as it is for lookups, so a tied lm_head gets a packed copy."""
+        for name in self.linear_weights():
+            pack_parameter(*self._owner(name))
+        if self.packed_head is None:
+            self.packed_head = pack_linear_weight(self.output_embedding.data)
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the lm_head, e.g. a draft vocabulary's output embedding [len(ids), H]."""

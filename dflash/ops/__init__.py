@@ -15,8 +15,10 @@ import torch
 
 from . import npu_attention, registry
 from .packing import (  # noqa: F401  (the layouts panel_linear and quant_linear take)
+    dequantize_int4,
     dequantize_int8,
     from_panels,
+    quantize_int4,
     quantize_int8,
     to_pair_panels,
     to_panels,
@@ -203,16 +205,21 @@ def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A linear layer over an 8-bit weight: x [..., K] (K a multiple of 32) -> x @ W.T + bias
-    [..., N], for (weight, scales) = `quantize_int8(W)`: weight [N / 16, K / 4, 16, 4] uint8 quad
-    panels holding q + 128 for int8 values q, scales [N / 16, K / 32, 16] float32, one per output
-    column and group of 32 inputs (W ~ dequantize_int8(weight, scales) = q * scale). bias: [N]
-    or None.
+                 mins: torch.Tensor | None = None, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """A linear layer over an 8- or 4-bit weight: x [..., K] (K a multiple of 32) -> x @ W.T +
+    bias [..., N].
 
-    x is quantized per row and group of 32 as the weight is (llama.cpp's Q8_0 x Q8_0 dot
-    product): each group's dot product is an exact integer, summed in float32 group by group
-    with both scales, one rounding to x's dtype. A row's result does not depend on the other
+    8 bits, (weight, scales) = `quantize_int8(W)`: weight [N / 16, K / 4, 16, 4] uint8 quad panels
+    holding q + 128 for int8 values q, scales [N / 16, K / 32, 16] float32, one per output column
+    and group of 32 inputs, W ~ q * scale (`dequantize_int8`); mins None.
+    4 bits, (weight, scales, mins) = `quantize_int4(W)`: weight [N / 16, K / 8, 16, 4] uint8
+    nibble panels of codes c in 0..15, scales and mins [N / 16, K / 32, 16] float32, W ~ c * scale
+    + min (`dequantize_int4`; llama.cpp's Q4_1). bias: [N] or None.
+
+    x is quantized per row and group of 32 as llama.cpp's Q8_0 does: each group's dot product is
+    an exact integer, summed in float32 group by group with both scales (4 bits: plus min * the
+    group's sum of x), one rounding to x's dtype. A row's result does not depend on the other
     rows, so DFlash's verification rows equal one-token decodes bit for bit.
     """
-    return torch.ops.dflash.quant_linear(x, weight, scales, bias)
+    return torch.ops.dflash.quant_linear(x, weight, scales, mins, bias)

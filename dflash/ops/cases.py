@@ -209,17 +209,22 @@ def panel_linear_inputs(dtype=torch.float32, rows=5, n=48, k=37, bias=True, pair
             "bias": torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4 if bias else None}
 
 
-def quant_linear_inputs(dtype=torch.float32, rows=5, n=48, k=64, bias=True):
+def quant_linear_inputs(dtype=torch.float32, rows=5, n=48, k=64, bias=True, bits=8):
     """Every value exact: each x group holds a +-127 multiple of a power of two (so it quantizes
-    without rounding) and the weight scales are powers of two, so every product and sum is exact
-    in float32 and any order of the float32 arithmetic gives the same result."""
+    without rounding), the weight scales and 4-bit minimums are powers of two, so every product
+    and sum is exact in float32 and any order of the float32 arithmetic gives the same result."""
     g = torch.Generator().manual_seed(9)
     x = torch.randint(-127, 128, (rows, k), generator=g)
     x[:, ::32] = 127   # each group's maximum: its scale is exactly 2^e
-    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
     scale = 2.0 ** torch.randint(-6, -2, (n, k // 32), generator=g)
-    weight, scales = packing.to_quad_panels(q, scale)
-    return {"x": (x / 64).to(dtype), "weight": weight, "scales": scales,
+    if bits == 8:
+        q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+        (weight, scales), mins = packing.to_quad_panels(q, scale), None
+    else:
+        codes = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+        low = -(2.0 ** torch.randint(-4, 0, (n, k // 32), generator=g))
+        weight, scales, mins = packing.to_nibble_panels(codes, scale, low)
+    return {"x": (x / 64).to(dtype), "weight": weight, "scales": scales, "mins": mins,
             "bias": torch.randint(-8, 9, (n,), generator=g).to(dtype) / 4 if bias else None}
 
 

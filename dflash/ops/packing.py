@@ -1,6 +1,6 @@
 """Weight layouts of `panel_linear` (column panels, bfloat16 pair panels) and of `quant_linear`
-(int8 quad panels with group scales), the layouts csrc/cpu/panel_linear.cpp and
-csrc/cpu/quant_linear.cpp read."""
+(8-bit quad panels with group scales, 4-bit nibble panels with group scales and minimums), the
+layouts csrc/cpu/panel_linear.cpp and csrc/cpu/quant_linear.cpp read, and the quantizers."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def to_quad_panels(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
                          f"multiple of {PANEL} rows and of {GROUP} columns")
     codes = (q.to(torch.int16) + 128).to(torch.uint8)
     quads = codes.reshape(n // PANEL, PANEL, k // QUAD, QUAD).transpose(1, 2).contiguous()
-    return quads, scale.float().reshape(n // PANEL, PANEL, k // GROUP).transpose(1, 2).contiguous()
+    return quads, _group_rows(scale)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +75,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [N / 16, K / 32, 16]), q and one scale per output column and group of 32 inputs as
     `quantize_groups` gives them."""
     n, k = weight.shape
-    if n % PANEL or k % GROUP:
-        raise ValueError(f"quantize_int8: weight has shape [{n}, {k}], expected a multiple of "
-                         f"{PANEL} rows and of {GROUP} columns")
+    _check_quantizable("quantize_int8", n, k)
     return to_quad_panels(*quantize_groups(weight))
 
 
@@ -88,3 +86,59 @@ def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     q = weight.transpose(1, 2).reshape(p * PANEL, quads * QUAD).float() - 128
     s = scales.transpose(1, 2).reshape(p * PANEL, -1)
     return (q.view(p * PANEL, -1, GROUP) * s[..., None]).reshape(q.shape)
+
+
+def _check_quantizable(what: str, n: int, k: int) -> None:
+    if n % PANEL or k % GROUP:
+        raise ValueError(f"{what}: weight has shape [{n}, {k}], expected a multiple of {PANEL} "
+                         f"rows and of {GROUP} columns")
+
+
+def _group_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, K / 32] per-group values -> [N / 16, K / 32, 16] float32 (the panels' order)."""
+    n, groups = t.shape
+    return t.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A linear weight [N, K] (N a multiple of 16, K of 32) quantized to 4 bits for
+    `quant_linear`, as llama.cpp's Q4_1: per output column and group of 32 inputs, min = the
+    smallest value, scale = (largest - min) / 15, code = trunc((w - min) / scale + 0.5) capped at
+    15 (0 for a constant group), scale and min then rounded to float16 as Q4_1 stores them; W ~
+    code * scale + min. Returns (uint8 nibble panels [N / 16, K / 8, 16, 4], scales, mins
+    [N / 16, K / 32, 16] float32). A GGUF Q4_1 tensor's values quantize back to its own codes,
+    scales and minimums."""
+    n, k = weight.shape
+    _check_quantizable("quantize_int4", n, k)
+    v = weight.float().reshape(n, k // GROUP, GROUP)
+    low, high = v.amin(-1), v.amax(-1)
+    scale = (high - low) / 15
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    codes = ((v - low[..., None]) * inverse[..., None] + 0.5).trunc().clamp(0, 15)
+    return to_nibble_panels(codes.to(torch.uint8).reshape(n, k), scale.half().float(),
+                            low.half().float())
+
+
+def to_nibble_panels(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes [N, K] (uint8, 0..15) with group scales and minimums [N, K / 32] in
+    `quant_linear`'s layout: uint8 nibble panels [N / 16, K / 8, 16, 4], byte [p, i, j, t] =
+    codes[16 p + j, 8 i + t] | codes[16 p + j, 8 i + 4 + t] << 4, and float32 scales and mins
+    [N / 16, K / 32, 16]."""
+    n, k = codes.shape
+    _check_quantizable("to_nibble_panels", n, k)
+    c = codes.reshape(n // PANEL, PANEL, k // 8, 2, QUAD).to(torch.uint8)
+    packed = c[:, :, :, 0] | (c[:, :, :, 1] << 4)          # [P, 16, K / 8, 4]
+    return packed.transpose(1, 2).contiguous(), _group_rows(scale), _group_rows(low)
+
+
+def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+                    ) -> torch.Tensor:
+    """The float32 weight [N, K] that `quant_linear`'s 4-bit (weight, scales, mins) stand for:
+    code * scale + min."""
+    p, vectors, _, _ = weight.shape
+    b = weight.transpose(1, 2)                                  # [P, 16, K / 8, 4]
+    codes = torch.stack([b & 15, b >> 4], dim=3).reshape(p * PANEL, vectors * 8).float()
+    s = scales.transpose(1, 2).reshape(p * PANEL, -1)
+    m = mins.transpose(1, 2).reshape(p * PANEL, -1)
+    return (codes.view(p * PANEL, -1, GROUP) * s[..., None] + m[..., None]).reshape(codes.shape)

@@ -252,22 +252,31 @@ def panel_linear(x: torch.Tensor, weight_panels: torch.Tensor,
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W.T + bias -> [..., N] for the 8-bit W of `quantize_int8` (weight, scales):
-    x quantized per row and group of 32 (`quantize_groups`), each group's integer dot product,
-    then per group in order acc += sum * (w_scale * x_scale) in float32, plus the bias, rounded
-    once to x's dtype. (The kernel fuses that multiply-add; the sums are the same integers.)"""
-    checks.quant_linear_meta(x, weight, scales, bias)
+                 mins: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W.T + bias -> [..., N] for the 8-bit W of `quantize_int8` (weight, scales)
+    or the 4-bit W of `quantize_int4` (weight, scales, mins): x quantized per row and group of 32
+    (`quantize_groups`), each group's integer dot product with the int8 values or the 4-bit
+    codes, then per group in order acc += sum * (w_scale * x_scale) (4 bits: then acc += min *
+    (x_scale * sum(x))) in float32, plus the bias, rounded once to x's dtype. (The kernel fuses
+    those multiply-adds; the sums are the same integers.)"""
+    checks.quant_linear_meta(x, weight, scales, mins, bias)
     k = x.shape[-1]
     xq, xs = quantize_groups(x.reshape(-1, k))
-    wq = weight.transpose(1, 2).reshape(-1, k).float() - 128   # the codes hold q + 128
+    if mins is None:
+        wq = weight.transpose(1, 2).reshape(-1, k).float() - 128   # the codes hold q + 128
+    else:
+        b = weight.transpose(1, 2)
+        wq = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, k).float()
     ws = scales.transpose(1, 2).reshape(wq.shape[0], -1)
+    wm = None if mins is None else mins.transpose(1, 2).reshape(wq.shape[0], -1)
     acc = wq.new_zeros(xq.shape[0], wq.shape[0])
     for g in range(k // GROUP):
         cols = slice(g * GROUP, (g + 1) * GROUP)
         # integers below 2^24 at every step: exact in float32 in any order
         sums = xq[:, cols].float() @ wq[:, cols].T
         acc = acc + sums * (ws[None, :, g] * xs[:, g, None])
+        if wm is not None:
+            acc = acc + wm[None, :, g] * (xs[:, g, None] * xq[:, cols].sum(-1, keepdim=True))
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])

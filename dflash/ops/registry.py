@@ -143,6 +143,6 @@ def _panel_linear_fake(x, weight_panels, bias):
 
 
 @torch.library.register_fake("dflash::quant_linear")
-def _quant_linear_fake(x, weight, scales, bias):
-    checks.quant_linear_meta(x, weight, scales, bias)
+def _quant_linear_fake(x, weight, scales, mins, bias):
+    checks.quant_linear_meta(x, weight, scales, mins, bias)
     return x.new_empty(*x.shape[:-1], weight.shape[0] * PANEL)
