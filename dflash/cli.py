@@ -68,12 +68,18 @@ DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes f
               "explicit dtype is always used")
 
 
-def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True) -> None:
-    """--dtype, --quantization, --recalibrate, and for DFlash engines --speculation."""
+def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True,
+                    quantization: str | None = None) -> None:
+    """--dtype, --quantization (default `quantization`; "auto" adds that choice), --recalibrate,
+    and for DFlash engines --speculation."""
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
-    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+    p.add_argument("--quantization", default=quantization,
+                   choices=QUANTIZATION_CHOICES + (["auto"] if quantization == "auto" else []),
                    help="quantize the target's linear weights on load, per 32 inputs: int8 "
-                        "(Q8_0's form) or int4 (Q4_1's); default: none")
+                        "(Q8_0's form) or int4 (Q4_1's)" + (
+                            "; auto (default): the bundled target's shipped Q4_1 weights or "
+                            "their rounding to the dtype, whichever is expected to decode "
+                            "faster" if quantization == "auto" else "; default: none"))
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the engine's cost model again instead of reading its cache")
     if speculation:
@@ -323,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the bundled SmolLM2 pair on GSM8K-style questions: "
                                      "DFlash vs target-only")
-    add_engine_args(p)
+    add_engine_args(p, quantization="auto")
     p.add_argument("--max-tokens", type=int, default=256)
     p.set_defaults(func=_demo)
 

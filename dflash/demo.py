@@ -8,6 +8,7 @@ import sys
 from . import assets, host
 from .engine import LLM
 from .engine.detokenizer import decode
+from .engine.speculation import expected_rate
 from .sampling import SamplingParams
 
 QUESTIONS = [
@@ -25,14 +26,22 @@ QUESTIONS = [
 
 
 def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive",
-        recalibrate: bool = False, quantization: str | None = None, out=sys.stdout) -> dict:
+        recalibrate: bool = False, quantization: str | None = "auto", out=sys.stdout) -> dict:
     """Both engines with the same settings; with dtype "auto" each takes the dtype that decodes
-    fastest for it on this host (target-only decoding is compared at its best)."""
+    fastest for it on this host (target-only decoding is compared at its best). quantization
+    "auto": `choose_weights`."""
     target = assets.smollm2_target()
     draft = assets.bundled_draft()
     sp = SamplingParams(max_tokens=max_tokens)
-    spec = LLM(target, draft, dtype=dtype, max_num_seqs=1, speculation=speculation,
-               recalibrate=recalibrate, quantization=quantization)
+
+    def engine(q):
+        return LLM(target, draft, dtype=dtype, max_num_seqs=1, speculation=speculation,
+                   recalibrate=recalibrate, quantization=q)
+
+    if quantization == "auto":
+        quantization, spec, rates = choose_weights(engine)
+    else:
+        spec, rates = engine(quantization), {}
     base = LLM(target, dtype=dtype, max_num_seqs=1, recalibrate=recalibrate,
                quantization=quantization)
     prompts = [spec.chat_prompt(q) for q in QUESTIONS]
@@ -61,7 +70,7 @@ def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive
     dtypes = [str(llm.dtype).removeprefix("torch.") for llm in (spec, base)]
     summary = {
         "dtype": dtypes[0], "target_only_dtype": dtypes[1], "speculation": speculation,
-        "quantization": quantization,
+        "quantization": quantization, "expected_tok_s_by_weights": rates,
         "prompts": len(QUESTIONS), "identical_outputs": matches,
         "tau": s["mean_acceptance_length"], "draft_acceptance_rate": s["draft_acceptance_rate"],
         "dflash_tok_s": s["throughput_tok_s"], "target_only_tok_s": b["throughput_tok_s"],
@@ -71,11 +80,42 @@ def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive
           f"{summary['draft_acceptance_rate']:.1%}, {summary['dflash_tok_s']:.1f} tok/s | "
           f"target only: {summary['target_only_tok_s']:.1f} tok/s | speedup "
           f"{summary['speedup']:.2f}x | identical outputs: {matches}/{len(QUESTIONS)} "
-          f"(DFlash {dtypes[0]}, {speculation}; target only {dtypes[1]}; target weights "
-          f"{quantization or dtypes[0]}"
+          f"(DFlash {dtypes[0]}, {speculation}; target only {dtypes[1]}; target weights: "
+          f"{_weights(quantization, dtypes[0], rates)}"
           f"{'; bf16 rounding can flip near-ties' if _row_dependent(dtypes) else ''})",
           file=out)
     return summary
+
+
+# the bundled target's file holds its layers in Q4_1 and its embedding in Q8_0: "int4" serves
+# exactly those weights (docs/design.md 4.7); None their rounding to the engine's dtype
+SHIPPED = "int4"
+
+
+def choose_weights(engine) -> tuple[str | None, LLM, dict]:
+    """(quantization, DFlash engine, expected tok/s by weights): the bundled target's shipped
+    4-bit weights or their rounding to the dtype, whichever the engines' measured cost models
+    expect to decode faster with DFlash at concurrency 1 (the shipped ones when no cost model
+    decides: fixed speculation). `engine(quantization)` builds a DFlash engine."""
+    shipped = engine(SHIPPED)
+    if shipped.cost_model is None:
+        return SHIPPED, shipped, {}
+    unquantized = engine(None)
+    engines = {SHIPPED: shipped, "none": unquantized}
+    rates = {name: expected_rate(e.cost_model, e.block_size, 1)[0] for name, e in engines.items()}
+    best = max(rates, key=rates.get)
+    engines["none" if best == SHIPPED else SHIPPED].close()
+    return (None if best == "none" else SHIPPED), engines[best], rates
+
+
+def _weights(quantization: str | None, dtype: str, rates: dict) -> str:
+    """How the output line names the target's weights."""
+    name = "the shipped Q4_1 (int4)" if quantization == SHIPPED else \
+        quantization or f"rounded to {dtype}"
+    if rates:
+        name += ", chosen by expected DFlash tok/s: " + ", ".join(
+            f"{w} {r:.1f}" for w, r in rates.items())
+    return name
 
 
 def _row_dependent(dtypes: list[str]) -> bool:

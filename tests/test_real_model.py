@@ -63,3 +63,8 @@ def test_demo_streams_answers_and_reports_the_speedup(smollm2):
     assert summary["prompts"] == len(demo.QUESTIONS)
     assert summary["identical_outputs"] == len(demo.QUESTIONS)
     assert summary["tau"] > 1.5 and summary["dflash_tok_s"] > 0
+    # the target's weights: the shipped Q4_1 ones or their rounding, whichever is expected faster
+    rates = summary["expected_tok_s_by_weights"]
+    assert set(rates) == {"int4", "none"}
+    assert summary["quantization"] == ("int4" if rates["int4"] >= rates["none"] else None)
+    assert "target weights: " in text
