@@ -90,6 +90,10 @@ TABLES = [
      "All of SmolLM2-135M's weights per pass (538 MB in float32) for 1-128 rows: float32 column "
      "panels against `F.linear` (MKL), bf16 column panels against float32 panels, bf16 pair "
      "panels against oneDNN's bf16 GEMM."),
+    ("quant_linear", "`quant_linear`", "python bench/bench_quant_linear.py",
+     "All of SmolLM2-135M's weights per pass (random values) for 1-64 rows of bf16 activations: "
+     "bf16 weights as the engine multiplies them on this host against int8 and int4 "
+     "`quant_linear`; t(m)/t(1): a verify pass of m rows against a one-token decode."),
     ("quantized", "Quantized weights", "python bench/bench_quantized.py",
      "The bundled pair, concurrency 1, greedy, the first 12 held-out questions, 256 tokens, "
      "activations in bf16; bf16 weights (pair panels) against `quantization=\"int8\"` and "
