@@ -213,9 +213,35 @@ def test_a_gguf_target_keeps_its_exact_weights(tmp_path, qtype, quantization):
         assert torch.equal(unpacked(weight), exact.get_parameter(name))
     assert torch.equal(unpacked(ours.packed_head), exact.embed)
     assert ours.packed_head.mins is None   # the head in int8 either way
-    assert ours.embed.dtype == torch.bfloat16 and ours.layers[0].input_norm.dtype == torch.bfloat16
+    # the tied embedding is read from it: the file's rows, in the model dtype
+    ids = torch.arange(exact.cfg.vocab_size)
+    assert ours.embed is None
+    assert torch.equal(ours.embed_tokens(ids), exact.embed.bfloat16())
+    assert torch.equal(ours.output_rows(ids[::3]), exact.embed[::3].bfloat16())
+    assert ours.layers[0].input_norm.dtype == torch.bfloat16
     # the values need float32: quantized from bf16 they would not come back
     assert not torch.equal(exact.embed.bfloat16().float(), exact.embed)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_quantized_target_holds_its_weights_once(tmp_path, quantization, tied):
+    """Resident bytes of the loaded target (its parameters and quantized weights) against the
+    bytes of its quantized weights: within 1.2x, the norms and an untied float lm_head (which
+    a draft vocabulary reads rows of) being the rest."""
+    make_tiny_target(tmp_path, "qwen3", tie_word_embeddings=tied, vocab_size=64,
+                     hidden_size=128, intermediate_size=256)
+    target = load_target(tmp_path, torch.bfloat16, quantization=quantization)
+    target.pack_weights()
+    quantized = [target.packed_head] + [
+        getattr(target.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+        for name in target.linear_weights()]
+    assert all(isinstance(w, QuantizedWeight) for w in quantized)
+    packed = sum(w.nbytes for w in quantized)
+    resident = packed + sum(p.nbytes for p in target.parameters())
+    head = 0 if tied else target.lm_head.nbytes
+    assert resident - head <= 1.2 * packed
+    assert (target.embed is None) == tied
 
 
 def test_an_unknown_quantization_is_refused_and_the_cli_offers_the_known_ones():

@@ -76,7 +76,7 @@ class Worker:
         self.kv_block_size, self.block_size = kv_block_size, block_size
         self.num_kv_blocks = num_kv_blocks
         self.draft_sampling = draft_sampling
-        dtype, self.device = target.embed.dtype, target.embed.device
+        dtype, self.device = target.dtype, target.norm.device
         self.target_cache = torch.zeros(target.kv_cache_shape(num_kv_blocks, kv_block_size),
                                         dtype=dtype, device=self.device)
         self.draft_cache = None if draft is None else torch.zeros(

@@ -152,6 +152,10 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.scales, self.mins) if t is not None)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized to float32 [len(ids), K]."""
+        return ops.dequantize_rows(self.codes, self.scales, self.mins, ids)
+
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """F.linear that also takes weights re-laid out by `pack_linear_weight` (inference only:

@@ -30,6 +30,7 @@ from .layers import (
     rope_cos_sin,
     rope_positions,
     silu_and_mul,
+    unpacked,
 )
 from .parallel import TensorParallel
 
@@ -170,7 +171,15 @@ class TargetModel(nn.Module):
 
     @property
     def output_embedding(self) -> torch.Tensor:
+        """The lm_head [V, H] (dequantized when only its quantized copy is held)."""
+        if self.embed is None:
+            return unpacked(self.packed_head).to(self.dtype)
         return self.embed if self.lm_head is None else self.lm_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of activations and of the weights held unquantized."""
+        return self.norm.dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[layers, 2 (K, V), num_blocks, block_size, Hkv (this rank's), D]."""
@@ -178,6 +187,8 @@ class TargetModel(nn.Module):
         return (self.cfg.num_layers, 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:   # a tied embedding read from the quantized lm_head
+            return self.packed_head.rows(ids).to(self.dtype)
         return F.embedding(ids, self.embed) if self.tp is None else \
             self.tp.embedding(ids, self.embed)
 
@@ -235,6 +246,10 @@ class TargetModel(nn.Module):
             if getattr(self, name) is not None:
                 setattr(self, name, nn.Parameter(getattr(self, name).data.to(dtype),
                                                  requires_grad=False))
+        if self.lm_head is None and self.tp is None and self.packed_head is not None:
+            # a tied embedding is looked up in the quantized lm_head (as llama.cpp does): the
+            # model holds its largest matrix once, at 8 bits
+            self.embed = None
         self.quantization = quantization
 
     def pack_weights(self) -> None:
@@ -248,5 +263,7 @@ class TargetModel(nn.Module):
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the lm_head, e.g. a draft vocabulary's output embedding [len(ids), H]."""
+        if self.embed is None:
+            return self.embed_tokens(ids)
         head = self.output_embedding
         return head[ids].contiguous() if self.tp is None else self.tp.embedding(ids, head)

@@ -17,6 +17,7 @@ from . import npu_attention, registry
 from .packing import (  # noqa: F401  (the layouts panel_linear and quant_linear take)
     dequantize_int4,
     dequantize_int8,
+    dequantize_rows,
     from_panels,
     quantize_int4,
     quantize_int8,

@@ -142,3 +142,20 @@ def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     s = scales.transpose(1, 2).reshape(p * PANEL, -1)
     m = mins.transpose(1, 2).reshape(p * PANEL, -1)
     return (codes.view(p * PANEL, -1, GROUP) * s[..., None] + m[..., None]).reshape(codes.shape)
+
+
+def dequantize_rows(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [n] of the float32 weight [N, K] that `quant_linear`'s (weight, scales[, mins])
+    stand for (8 bits without mins, 4 bits with): [n, K], without dequantizing the rest (an
+    embedding lookup through a quantized tied lm_head)."""
+    panel, column = ids // PANEL, ids % PANEL
+    lanes = weight[panel, :, column]                       # [n, K / 4 or K / 8, 4]
+    s = scales[panel, :, column]                           # [n, K / 32]
+    n = ids.shape[0]
+    if mins is None:
+        q = lanes.reshape(n, -1).float() - 128
+        return (q.view(n, -1, GROUP) * s[..., None]).view(n, -1)
+    codes = torch.stack([lanes & 15, lanes >> 4], dim=2).reshape(n, -1).float()
+    m = mins[panel, :, column]
+    return (codes.view(n, -1, GROUP) * s[..., None] + m[..., None]).view(n, -1)

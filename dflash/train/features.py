@@ -26,7 +26,7 @@ def cached_features(target: TargetModel, rows: list[dict], layer_ids, path,
     holds exactly these rows, layers and dtype, else computed in chunks and saved there."""
     path = Path(path)
     tokens = [r["prompt_ids"] + r["answer_ids"] for r in rows]
-    key = hashlib.sha256(json.dumps([list(layer_ids), str(target.embed.dtype), tokens])
+    key = hashlib.sha256(json.dumps([list(layer_ids), str(target.dtype), tokens])
                          .encode()).hexdigest()
     if path.exists():
         with safe_open(path, "pt") as f:
@@ -34,7 +34,7 @@ def cached_features(target: TargetModel, rows: list[dict], layer_ids, path,
                 return _split(f.get_tensor("features"), tokens)
     lengths = [len(t) for t in tokens]
     width = len(layer_ids) * target.cfg.attn.hidden_size
-    features = torch.empty(sum(lengths), width, dtype=target.embed.dtype)
+    features = torch.empty(sum(lengths), width, dtype=target.dtype)
     row = written = 0
     with tqdm(total=len(rows), desc="target features", unit="row") as bar:
         while row < len(rows):

@@ -43,7 +43,7 @@ def target_features(target: TargetModel, tokens: list[torch.Tensor],
     lengths = [len(t) for t in tokens]
     meta = prefill_metadata(lengths, kv_block_size)
     blocks = int(meta.block_table.max()) + 1
-    cache = torch.empty(target.kv_cache_shape(blocks, kv_block_size), dtype=target.embed.dtype)
+    cache = torch.empty(target.kv_cache_shape(blocks, kv_block_size), dtype=target.dtype)
     _, features = target(torch.cat(tokens), meta, cache, layer_ids)
     return features
 
@@ -71,7 +71,7 @@ def block_logits(draft: DFlashDraft, target: TargetModel, batch: Batch,
     c = rms_norm(F.linear(features, draft.fc), draft.hidden_norm, a.rms_norm_eps)
     ctx_cos_sin = draft.cos_sin[ctx_positions]
     masks = [_block_mask(n, anc, b) for n, anc in zip(lengths, batch.anchors)]
-    x = F.embedding(block_tokens, target.embed).float()
+    x = target.embed_tokens(block_tokens).float()
     cos_sin = draft.cos_sin[block_positions]
     for i, layer in enumerate(draft.layers):
         kv_w, kv_b = draft.layer_kv(i)
