@@ -69,16 +69,22 @@ def test_int4_quantizer_matches_its_closed_form():
     assert torch.all((deq - w).abs().view(32, 3, 32) <= step[..., None] * (0.5 + 2e-3) + 2e-3)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_weights_on_the_grid_round_trip_exactly(bits):
-    """A weight that already is a GGUF Q8_0 (q * d, max |q| = 127 per group) or Q4_1 (c * d + m,
-    codes 0 and 15 present per group, d and m float16) tensor comes back bit for bit."""
+@pytest.mark.parametrize("form", ["Q8_0", "Q4_1", "Q4_0"])
+def test_weights_on_the_grid_round_trip_exactly(form):
+    """A weight that already is a GGUF Q8_0 (q * d, max |q| = 127 per group), Q4_1 (c * d + m,
+    codes 0 and 15 present per group, d and m float16) or Q4_0 (d * (c - 8), -8 d the largest
+    magnitude, d float16) tensor comes back bit for bit."""
     g = torch.Generator().manual_seed(1)
     d = (torch.rand(48, 2, generator=g) + 0.01).half().float()
-    if bits == 8:
+    bits = 8 if form == "Q8_0" else 4
+    if form == "Q8_0":
         q = torch.randint(-127, 128, (48, 64), generator=g)
         q[:, ::32] = -127
         w = (q.view(48, 2, 32) * d[..., None]).view(48, 64)
+    elif form == "Q4_0":
+        c = torch.randint(1, 16, (48, 64), generator=g)
+        c[:, ::32] = 0
+        w = ((c.view(48, 2, 32) - 8) * d[..., None]).view(48, 64)
     else:
         c = torch.randint(0, 16, (48, 64), generator=g)
         c[:, ::32], c[:, 1::32] = 0, 15
@@ -193,11 +199,13 @@ def test_quantized_weight_sizes():
     assert _quantized(_weight(64, 64), 4).nbytes == 64 * 64 // 2 + 2 * 64 * 2 * 4
 
 
-@pytest.mark.parametrize("qtype, quantization", [("Q8_0", "int8"), ("Q4_1", "int4")])
+@pytest.mark.parametrize("qtype, quantization", [("Q8_0", "int8"), ("Q4_1", "int4"),
+                                                  ("Q4_0", "int4")])
 def test_a_gguf_target_keeps_its_exact_weights(tmp_path, qtype, quantization):
     """A Q8_0 tensor is int8 with one fp16 scale per 32 values, a Q4_1 one 4-bit codes with an
-    fp16 scale and minimum: quantizing its values as loaded (float32, whatever the model dtype)
-    gives them back bit for bit. The embedding (the tied lm_head) is Q8_0, as in llama.cpp's
+    fp16 scale and minimum, a Q4_0 one 4-bit codes with an fp16 scale (minimum -8 scales):
+    quantizing its values as loaded (float32, whatever the model dtype) gives them back bit for
+    bit. The embedding (the tied lm_head) is Q8_0, as in llama.cpp's
     4-bit files (and the bundled target); int4 keeps the lm_head in int8."""
     pytest.importorskip("gguf")
     write_llama_gguf(make_tiny_target(tmp_path / "hf", "llama"), tmp_path / "t.gguf",

@@ -105,18 +105,36 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     `quant_linear`, as llama.cpp's Q4_1: per output column and group of 32 inputs, min = the
     smallest value, scale = (largest - min) / 15, code = trunc((w - min) / scale + 0.5) capped at
     15 (0 for a constant group), scale and min then rounded to float16 as Q4_1 stores them; W ~
-    code * scale + min. Returns (uint8 nibble panels [N / 16, K / 8, 16, 4], scales, mins
-    [N / 16, K / 32, 16] float32). A GGUF Q4_1 tensor's values quantize back to its own codes,
-    scales and minimums."""
+    code * scale + min. A weight whose values are exactly Q4_0's (scale * (code - 8), the
+    scale a float16: a GGUF Q4_0 tensor) keeps that form instead (min = -8 * scale). Returns
+    (uint8 nibble panels [N / 16, K / 8, 16, 4], scales, mins [N / 16, K / 32, 16] float32).
+    A GGUF Q4_0 or Q4_1 tensor's values quantize back to its own codes and scales."""
     n, k = weight.shape
     _check_quantizable("quantize_int4", n, k)
     v = weight.float().reshape(n, k // GROUP, GROUP)
+    symmetric = _q4_0_form(v)
+    if symmetric is not None:
+        codes, scale = symmetric
+        return to_nibble_panels(codes.reshape(n, k), scale, -8 * scale)
     low, high = v.amin(-1), v.amax(-1)
     scale = (high - low) / 15
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
     codes = ((v - low[..., None]) * inverse[..., None] + 0.5).trunc().clamp(0, 15)
     return to_nibble_panels(codes.to(torch.uint8).reshape(n, k), scale.half().float(),
                             low.half().float())
+
+
+def _q4_0_form(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes [N, G, 32] uint8, scales [N, G]) if every group of v [N, G, 32] is exactly
+    scale * (code - 8) with a float16 scale, as llama.cpp's Q4_0 dequantizes (its largest
+    magnitude is -8 * scale), else None."""
+    largest = v.gather(-1, v.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    scale = largest / -8
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    codes = (v * inverse[..., None] + 8).round().clamp(0, 15)
+    exact = torch.equal((codes - 8) * scale[..., None], v) and \
+        torch.equal(scale.half().float(), scale)
+    return (codes.to(torch.uint8), scale) if exact else None
 
 
 def to_nibble_panels(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
