@@ -46,6 +46,9 @@ END_TO_END = [
     ("bench_gsm8k-heldout-no-bf16", "GSM8K held-out, bf16 units hidden", "--recalibrate",
      "The same questions with oneDNN limited to AVX512_CORE: a CPU without bf16 dot-product or "
      "matrix units, seen on the same host (`host.bf16_gemm` then takes column panels)."),
+    ("bench_gsm8k-heldout-int4", "GSM8K held-out, 4-bit target", "",
+     "The same questions with the target in its shipped GGUF Q4_1 weights (`--quantization "
+     "int4`, `quant_linear`); DFlash against target-only decoding of the same weights."),
     ("bench_humaneval", "HumanEval, concurrency 32", "--recalibrate",
      "Code, which the GSM8K-trained draft predicts poorly: the engine skips most draft passes."),
 ]

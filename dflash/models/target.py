@@ -165,7 +165,6 @@ class TargetModel(nn.Module):
         self.norm = _param(h)
         self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, h)
         self.packed_head: torch.Tensor | QuantizedWeight | None = None   # see pack_weights
-        self.quantization: str | None = None   # see quantize
         self.register_buffer("cos_sin", rope_cos_sin(
             cfg.attn, rope_positions(cfg.attn, max_positions)), persistent=False)
 
@@ -250,7 +249,6 @@ class TargetModel(nn.Module):
             # a tied embedding is looked up in the quantized lm_head (as llama.cpp does): the
             # model holds its largest matrix once, at 8 bits
             self.embed = None
-        self.quantization = quantization
 
     def pack_weights(self) -> None:
         """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
