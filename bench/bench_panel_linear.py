@@ -16,7 +16,6 @@ paths `host.bf16_gemm` chooses between.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dfl
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import copy_bandwidth, timeit, write  # noqa: E402
+from common import copy_bandwidth, threads_option, timeit, write  # noqa: E402
 
 from dflash import ops  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+MODEL_SHAPES = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]   # one decode step's weights, in order
 
 
 def one_pass(linear, weights, inputs) -> None:
@@ -43,13 +43,8 @@ def onednn_linear(x, weight):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
-    weights = [torch.randn(shape) for shape in shapes]
+    threads_option(__doc__)
+    weights = [torch.randn(shape) for shape in MODEL_SHAPES]
     panels = [ops.to_panels(w) for w in weights]
     bf16_panels = [p.bfloat16() for p in panels]
     bf16_units = torch.ops.mkldnn._is_mkldnn_bf16_supported()

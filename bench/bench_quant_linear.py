@@ -11,27 +11,22 @@ m rows costs against a one-token decode, the figure DFlash's speed rests on.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dflash
 
 import torch  # noqa: E402
-from bench_panel_linear import LAYER_SHAPES, LAYERS, VOCAB  # noqa: E402
-from common import timeit, write  # noqa: E402
+from bench_panel_linear import MODEL_SHAPES  # noqa: E402
+from common import threads_option, timeit, write  # noqa: E402
 
 from dflash import host  # noqa: E402
 from dflash.models.layers import linear, pack_linear_weight, quantize_linear_weight  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    shapes = LAYER_SHAPES * LAYERS + [(VOCAB, LAYER_SHAPES[1][0])]
+    threads_option(__doc__)
+    shapes = MODEL_SHAPES
     weights = [torch.randn(shape, generator=torch.Generator().manual_seed(i))
                for i, shape in enumerate(shapes)]
     formats = {f"bf16 ({host.bf16_gemm()})": [pack_linear_weight(w.bfloat16()) for w in weights],

@@ -43,6 +43,19 @@ def gemm_rate(m: int, n: int, k: int, dtype: torch.dtype) -> float:
     return 2 * m * n * k / timeit(lambda: a @ b)
 
 
+def threads_option(description: str):
+    """The micro-benchmarks' command line: --threads N sets torch's threads (default: torch's
+    choice). Returns the parsed arguments."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def machine() -> dict:
     """The host (CPU model, AMX / AVX512-BF16 / AVX-512 / AVX2 flags, threads, torch) and the CPU
     capability torch dispatches to."""

@@ -395,10 +395,11 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
     if ckpt is None:
         ckpt = SafetensorsCheckpoint(path)
     model = TargetModel(cfg, tp, max_positions)
+    recipe = target_recipe(cfg)
     # quantized from the checkpoint's own values: a GGUF Q8_0 tensor comes back exactly
-    wide = frozenset(model.linear_weights() + ["embed", "lm_head"]) if quantization else frozenset()
-    assemble(model, target_recipe(cfg), ckpt, str(path), dtype, torch.device(device), tp,
-             wide & set(target_recipe(cfg)))
+    wide = frozenset(model.linear_weights() + ["embed", "lm_head"]) & set(recipe) \
+        if quantization else frozenset()
+    assemble(model, recipe, ckpt, str(path), dtype, torch.device(device), tp, wide)
     if quantization:
         model.quantize(quantization, dtype)
     return model.eval()
