@@ -64,6 +64,8 @@ def _stream(llm, prompt_count: int):
 DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
 # models.layers.QUANTIZATIONS, written out: this module imports torch only when a command runs
 QUANTIZATION_CHOICES = ["int8", "int4"]
+# models.gguf_draft.OUTTYPES, likewise
+GGUF_OUTTYPES = ["bf16", "f16", "f32"]
 DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes fastest; an "
               "explicit dtype is always used")
 
@@ -244,6 +246,14 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 0 if selfcheck.run() else 1
 
 
+def _export_gguf(args: argparse.Namespace) -> int:
+    from .models.gguf_draft import export_draft_gguf
+
+    out = export_draft_gguf(args.draft, args.target, args.output, args.outtype)
+    print(f"wrote {out}: run it in llama.cpp with -md {out} --spec-type draft-dflash")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -368,6 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level (info logs every request)")
     add_engine_args(p)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("export-gguf", help="write a DFlash draft as llama.cpp's DFlash GGUF "
+                       "(run it with --spec-type draft-dflash)")
+    p.add_argument("draft", help="the draft's directory (config.json + safetensors)")
+    p.add_argument("--target", required=True,
+                   help="the target's GGUF file (its tokenizer is copied into the draft)")
+    p.add_argument("-o", "--output", required=True, help="the GGUF file to write")
+    p.add_argument("--outtype", default="bf16", choices=GGUF_OUTTYPES,
+                   help="the matrices' type (vectors are float32)")
+    p.set_defaults(func=_export_gguf)
 
     p = sub.add_parser("selfcheck", help="compare every op's implementation with the reference")
     p.set_defaults(func=_selfcheck)

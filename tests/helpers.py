@@ -274,10 +274,10 @@ def _llama_cpp_permute(w: torch.Tensor, heads: int) -> np.ndarray:
 
 
 def write_llama_gguf(hf, path, rope_freqs: np.ndarray | None = None, qtype: str = "F32",
-                     embedding_qtype: str | None = None) -> None:
+                     embedding_qtype: str | None = None, tokenizer: bool = False) -> None:
     """A Llama target as llama.cpp's converter writes it (tied embeddings): the norms in float32,
     the layers' linear weights in GGML type `qtype` (e.g. "Q4_1"), the embedding in
-    `embedding_qtype` (default: `qtype`)."""
+    `embedding_qtype` (default: `qtype`); with `tokenizer`, a made-up gpt2 vocabulary too."""
     import gguf
 
     def add(name, w: np.ndarray, qtype=qtype):
@@ -297,6 +297,12 @@ def write_llama_gguf(hf, path, rope_freqs: np.ndarray | None = None, qtype: str 
     writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+        writer.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+        writer.add_token_merges(["t 1", "t1 2"])
+        writer.add_eos_token_id(c.vocab_size - 2)
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     add("token_embd.weight", state["model.embed_tokens.weight"].numpy(),
         embedding_qtype or qtype)

@@ -122,11 +122,42 @@ def test_4_bit_weights_need_their_minimums():
 
 
 def _activation_bound(x, deq):
-    """|x @ W.T - quant_linear(x)| <= sum over groups of d_x / 2 * sum |W| over the group: the
-    weight's rounding is in W (dequantized); what is left is x's, half a step d_x at most."""
+    """|x @ W.T - quant_linear(x)| <= sum over groups of e * sum |W| over the group: the
+    weight's rounding is in W (dequantized); what is left is x's, q = round(x / d) with
+    d = max|x| / 127, then q * d16 with d16 = d in float16: e = d / 2 + 127 |d - d16|."""
     n, k = deq.shape
-    _, dx = packing.quantize_groups(x)
-    return (dx.double()[:, None, :] / 2 * deq.double().abs().view(n, k // 32, 32).sum(-1)).sum(-1)
+    _, d = packing.quantize_groups(x)
+    _, d16 = packing.quantize_activations(x)
+    e = d.double() / 2 + 127 * (d.double() - d16.double()).abs()
+    return (e[:, None, :] * deq.double().abs().view(n, k // 32, 32).sum(-1)).sum(-1)
+
+
+def test_activations_are_quantized_as_llama_cpp_quantizes_a_q8_0_input():
+    """q = rint(x * (127 / max|x|)) with a correctly rounded quotient, scale = max|x| / 127 in
+    float16 (numpy as the oracle), float32 where float16 overflows; the kernel quantizes alike."""
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=g).bfloat16().float()   # bf16 values hit exact .5 ties
+    x[1, 32:64] *= 1e7                                        # max / 127 beyond float16
+    x[2, :32] = 0
+    q, scale = packing.quantize_activations(x)
+    v = x.numpy().reshape(5, 3, 32)
+    amax = np.abs(v).max(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0))
+    want_q = np.rint(v * inverse[..., None]).astype(np.int8).reshape(5, 96)
+    d = amax / np.float32(127)
+    with np.errstate(over="ignore"):
+        half = d.astype(np.float16).astype(np.float32)
+    assert torch.equal(q, torch.from_numpy(want_q))
+    assert torch.equal(scale, torch.from_numpy(np.where(np.isinf(half), d, half)))
+    assert scale[1, 1] == d[1, 1] and scale[0, 0] != d[0, 0]
+    w = _weight(16, 96)
+    qw = _quantized(w, 8)
+    got = torch.ops.dflash.quant_linear(x, qw.codes, qw.scales, None, None)
+    assert torch.isfinite(got).all()   # fused multiply-adds: equal to rounding
+    torch.testing.assert_close(got, reference.quant_linear(x, qw.codes, qw.scales, None, None),
+                               rtol=2e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

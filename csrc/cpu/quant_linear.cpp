@@ -3,8 +3,9 @@
 // (dflash.ops.quantize_int8 / quantize_int4; docs/design.md 3.4).
 //
 // Decoding streams every weight once per step, so a weight of 1 byte (plus 4 bytes of scale per
-// 32) halves the bytes of bf16, and one of half a byte (plus 8 bytes per 32) takes 3/8 of them. The activations are quantized too, per row and group of 32
-// (scale max|x| / 127, round to nearest even), as llama.cpp does for its Q8_0 weights: a group's
+// 32) halves the bytes of bf16, and one of half a byte (plus 8 bytes per 32) takes 3/8 of them.
+// The activations are quantized too, per row and group of 32, as llama.cpp quantizes the input of
+// a Q8_0 matmul (quantize_group below): a group's
 // dot product is then an exact integer, computed by AVX512-VNNI's VPDPBUSD (64 byte products per
 // instruction) where the CPU has it, else in float32 from bytes widened as they load (every
 // product and partial sum is an integer below 2^24, so exact as well). Both give the same
@@ -45,7 +46,9 @@ struct QuantizedRows {
   std::vector<int32_t> sum;
 };
 
-// One group of 32 floats: scale d = max|x| / 127, q = round(x / d) (x * (1 / d), ties to even).
+// One group of 32 floats as llama.cpp's x86 Q8_0 input quantizer computes it (so a GGUF target's
+// matmuls follow its block semantics): q = round(x * (127 / max|x|)) (ties to even), scale
+// d = max|x| / 127 rounded to float16, as its blocks store d (float32 where float16 overflows).
 // A group holding inf or NaN gets scale NaN, so its rows' outputs are NaN, not silently finite.
 void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum) {
   constexpr int kVecsPerGroup = kGroup / fVec::size();
@@ -63,7 +66,7 @@ void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum) {
     *sum = 0;
     return;
   }
-  const float d = m / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+  const float d = m / 127.0f, inv = m != 0.0f ? 127.0f / m : 0.0f;
 #if defined(CPU_CAPABILITY_AVX512)
   // cvtps rounds in the default mode, to nearest even, as round() does
   __m512i total = _mm512_setzero_si512();
@@ -84,7 +87,8 @@ void quantize_group(const float* x, int8_t* q, float* scale, int32_t* sum) {
   }
   *sum = s;
 #endif
-  *scale = d;
+  const float half = static_cast<float>(c10::Half(d));
+  *scale = std::isinf(half) ? d : half;
 }
 
 template <typename T>

@@ -240,7 +240,7 @@ def _held(src: Source, tp: TensorParallel) -> list[tuple[str, tuple[int, ...]]]:
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
-_GGUF_LAYER_NAMES = {
+GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
@@ -263,52 +263,62 @@ def _unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
-    """A GGUF file as (Hugging Face style config dict, dequantized float32 tensors)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+def gguf_config(reader, path: Path) -> dict:
+    """The Hugging Face style config dict of an open GGUF file (`gguf.GGUFReader`), from its
+    metadata and tensor shapes alone."""
     arch = _gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ConfigError(f"GGUF architecture {arch!r} is not supported; "
                           f"supported: {', '.join(_GGUF_ARCHS)}")
     meta = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
-    heads, kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
-    tensors, rope_freqs = {}, None
-    for t in reader.tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(values, dtype=np.float32))   # a writable copy
-        if t.name == "rope_freqs.weight":
-            rope_freqs = w
-            continue
-        if t.name in _GGUF_GLOBAL_NAMES:
-            tensors[_GGUF_GLOBAL_NAMES[t.name]] = w
-            continue
-        parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LAYER_NAMES:
-            continue  # tensors the model does not use
-        _, layer, kind, suffix = parts
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            w = _unpermute_rope_rows(w, heads if kind == "attn_q" else kv_heads)
-        tensors[f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"] = w
-    hidden = meta("embedding_length")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise CheckpointError(f"{path} has no token_embd.weight tensor")
     cfg = {
         "architectures": [_GGUF_ARCHS[arch]],
-        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
-        "hidden_size": hidden,
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),   # GGML order: [H, V]
+        "hidden_size": meta("embedding_length"),
         "intermediate_size": meta("feed_forward_length"),
         "num_hidden_layers": meta("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
+        "num_attention_heads": meta("attention.head_count"),
+        "num_key_value_heads": meta("attention.head_count_kv"),
         "head_dim": meta("attention.key_length"),   # absent: hidden_size / heads
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": meta("rope.freq_base", 10000.0),
         "max_position_embeddings": meta("context_length", 4096),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if rope_freqs is not None:   # Llama 3.x
-        cfg["rope_scaling"] = _llama3_rope_scaling(rope_freqs, cfg["rope_theta"], path)
+    if "rope_freqs.weight" in tensors:   # Llama 3.x
+        divisors = torch.from_numpy(np.array(tensors["rope_freqs.weight"].data, np.float32))
+        cfg["rope_scaling"] = _llama3_rope_scaling(divisors, cfg["rope_theta"], path)
+    return cfg
+
+
+def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
+    """A GGUF file as (Hugging Face style config dict, dequantized float32 tensors)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    cfg = gguf_config(reader, path)
+    arch = _gguf_field(reader, "general.architecture")
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    tensors = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.array(values, dtype=np.float32))   # a writable copy
+        if t.name in _GGUF_GLOBAL_NAMES:
+            tensors[_GGUF_GLOBAL_NAMES[t.name]] = w
+            continue
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LAYER_NAMES:
+            continue  # tensors the model does not use
+        _, layer, kind, suffix = parts
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            w = _unpermute_rope_rows(w, heads if kind == "attn_q" else kv_heads)
+        tensors[f"model.layers.{layer}.{GGUF_LAYER_NAMES[kind]}.{suffix}"] = w
     return cfg, DictCheckpoint(tensors)
 
 

@@ -40,19 +40,43 @@ def from_panels(weight_panels: torch.Tensor) -> torch.Tensor:
     return weight_panels.transpose(1, 2).reshape(p * PANEL, k)
 
 
-def quantize_groups(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [R, K] (K a multiple of 32) -> (q int8 [R, K], scale float32 [R, K / 32]) with
-    values ~ q * scale per group of 32: scale = max|v| / 127, q = round(v * (1 / scale)) (ties to
-    even; all zero for a zero group), all in float32 as llama.cpp's Q8_0 quantizer computes it.
-    A group holding inf or NaN gets scale NaN (and q 0): what it multiplies becomes NaN."""
+def _groups(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """values [R, K] -> (groups [R, K / 32, 32] float32, max |v| per group, non-finite groups)."""
     r, k = values.shape
     v = values.float().reshape(r, k // GROUP, GROUP)
     amax = v.abs().amax(-1)
-    bad = ~torch.isfinite(amax)
+    return v, amax, ~torch.isfinite(amax)
+
+
+def _codes(v, inverse, bad) -> torch.Tensor:
+    return torch.round(v * inverse[..., None]).masked_fill(bad[..., None], 0).to(torch.int8) \
+        .reshape(v.shape[0], -1)
+
+
+def quantize_groups(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [R, K] (K a multiple of 32) -> (q int8 [R, K], scale float32 [R, K / 32]) with
+    values ~ q * scale per group of 32: scale = max|v| / 127, q = round(v * (1 / scale)) (ties to
+    even; all zero for a zero group), in float32 (llama.cpp's Q8_0 quantizer, with the scale kept
+    in float32). A group holding inf or NaN gets scale NaN (and q 0): what it multiplies becomes
+    NaN."""
+    v, amax, bad = _groups(values)
     scale = amax / 127
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
-    q = torch.round(v * inverse[..., None]).masked_fill(bad[..., None], 0)
-    return q.to(torch.int8).reshape(r, k), scale.masked_fill(bad, float("nan"))
+    return _codes(v, inverse, bad), scale.masked_fill(bad, float("nan"))
+
+
+def quantize_activations(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quant_linear`'s input rows [R, K] quantized as llama.cpp quantizes a Q8_0 matmul's input
+    on x86: q = round(v * (127 / max|v|)) (ties to even), scale = max|v| / 127 rounded to float16,
+    as its Q8_0 blocks store it (kept in float32 where float16 would overflow, above 65504).
+    Non-finite groups as in `quantize_groups`."""
+    v, amax, bad = _groups(values)
+    # a tensor quotient: `127 / amax` would be reciprocal(amax) * 127, rounded twice
+    inverse = torch.where(amax != 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    scale = amax / 127
+    half = scale.half().float()
+    scale = torch.where(torch.isinf(half), scale, half)
+    return _codes(v, inverse, bad), scale.masked_fill(bad, float("nan"))
 
 
 def to_quad_panels(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

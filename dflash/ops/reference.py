@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checks
-from .packing import GROUP, from_panels, quantize_groups
+from .packing import GROUP, from_panels, quantize_activations
 
 
 def rms_norm_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -255,13 +255,13 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W.T + bias -> [..., N] for the 8-bit W of `quantize_int8` (weight, scales)
     or the 4-bit W of `quantize_int4` (weight, scales, mins): x quantized per row and group of 32
-    (`quantize_groups`), each group's integer dot product with the int8 values or the 4-bit
+    (`quantize_activations`), each group's integer dot product with the int8 values or the 4-bit
     codes, then per group in order acc += sum * (w_scale * x_scale) (4 bits: then acc += min *
     (x_scale * sum(x))) in float32, plus the bias, rounded once to x's dtype. (The kernel fuses
     those multiply-adds; the sums are the same integers.)"""
     checks.quant_linear_meta(x, weight, scales, mins, bias)
     k = x.shape[-1]
-    xq, xs = quantize_groups(x.reshape(-1, k))
+    xq, xs = quantize_activations(x.reshape(-1, k))
     if mins is None:
         wq = weight.transpose(1, 2).reshape(-1, k).float() - 128   # the codes hold q + 128
     else:
