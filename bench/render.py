@@ -103,6 +103,16 @@ TABLES = [
      "`\"int4\"` (`quant_linear`; int4 holds the shipped Q4_1 weights exactly), target-only and "
      "DFlash (adaptive), the six engines alternating over 2 rounds. tok/s excludes prefill. "
      "'vs bf16': against the bf16 target-only rate."),
+    ("llamacpp", "Against llama.cpp", "python bench/bench_llamacpp.py",
+     "The bundled pair at each weight format (the target converted from its shipped Q4_1 weights "
+     "by `llama-quantize`, the token embedding Q8_0 in the 8- and 4-bit files; the draft by "
+     "`dflash export-gguf`), the first 12 held-out questions, greedy, 256 tokens, one at a time, "
+     "the same threads. llama.cpp (built from its sdist with GGML_NATIVE): target-only is "
+     "`llama-bench` tg128, DFlash `llama-speculative-simple --spec-type draft-dflash`, tau its "
+     "tokens per target pass. dflash loads the same files (F32 / BF16 at that dtype, Q8_0 as "
+     "int8, Q4_0 as int4); tok/s excludes prefill. Texts agree when equal up to the shorter; the "
+     "last two columns compare dflash with float32 activations against llama.cpp's greedy texts "
+     "(`llama-completion`): whole texts, and its argmax teacher-forced on llama.cpp's tokens."),
     (TREE_SIZES, "Acceptance by verify size", "python bench/bench_tree_sizes.py",
      "The bundled pair in float32, greedy, the 20 held-out questions, 256 tokens; each size fixed "
      "for a whole run: a chain of k argmax drafts against a best-first tree of N draft nodes. "

@@ -77,7 +77,7 @@ def smollm2_hf_target(directory: Path | None = None) -> Path:
     cfg, ckpt = read_gguf(gguf_path)
     partial = target.with_name(target.name + ".part")
     partial.mkdir(parents=True, exist_ok=True)
-    save_file({name: ckpt.get(name).contiguous() for name in ckpt.tensors},
+    save_file({name: ckpt.get(name).contiguous() for name in ckpt.names()},
               str(partial / "model.safetensors"))
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name) \
         .save_pretrained(str(partial))

@@ -245,10 +245,11 @@ def pack_parameter(module: torch.nn.Module, name: str) -> None:
 
 
 def quantize_parameter(module: torch.nn.Module, name: str, quantization: str,
-                       dtype: torch.dtype) -> None:
+                       dtype: torch.dtype, value: torch.Tensor | None = None) -> None:
     """Replace the weight parameter `name` of `module` by an attribute holding it quantized
-    (`quantize_linear_weight`), or, where the format cannot hold it, by the weight in `dtype`."""
-    weight = getattr(module, name).data
+    (`quantize_linear_weight`), or, where the format cannot hold it, by the weight in `dtype`.
+    `value`: the weight's values, when the parameter does not hold them (yet)."""
+    weight = getattr(module, name).data if value is None else value
     quantized = quantize_linear_weight(weight, quantization)
     if quantized is None:
         module._parameters[name] = torch.nn.Parameter(weight.to(dtype), requires_grad=False)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -175,28 +177,56 @@ def _check_shard_name(name, index: Path) -> None:
                               f"directory")
 
 
-class DictCheckpoint:
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
+class GGUFCheckpoint:
+    """Name (Hugging Face style) -> tensor of a memory-mapped GGUF file, each dequantized to
+    float32 only when read, so loading holds one dequantized tensor at a time."""
+
+    def __init__(self, reader, arch: str, heads: int, kv_heads: int):
+        self._tensors = {}
+        for t in reader.tensors:
+            if t.name in _GGUF_GLOBAL_NAMES:
+                self._tensors[_GGUF_GLOBAL_NAMES[t.name]] = (t, None)
+                continue
+            parts = t.name.split(".")
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LAYER_NAMES:
+                continue  # tensors the model does not use (rope_freqs: in the config)
+            _, layer, kind, suffix = parts
+            # llama.cpp stores Llama q/k rows of each head interleaved for its RoPE
+            permuted = {"attn_q": heads, "attn_k": kv_heads}.get(kind) if arch == "llama" \
+                else None
+            self._tensors[f"model.layers.{layer}.{GGUF_LAYER_NAMES[kind]}.{suffix}"] = \
+                (t, permuted)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self._tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
+        return tuple(int(n) for n in reversed(self._tensors[name][0].shape))   # GGML: [K, N]
 
     def get(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
+        import gguf
+
+        t, heads = self._tensors[name]
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
+                                      dtype=np.float32))   # a writable copy
+        return w if heads is None else _unpermute_rope_rows(w, heads)
 
     lazy = get
 
 
 def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str,
              dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
-             wide: frozenset[str] = frozenset()) -> None:
+             wide: frozenset[str] = frozenset(),
+             consume: Callable[[str, torch.Tensor], bool] | None = None) -> None:
     """Fill every placeholder parameter of `model` from the checkpoint, checking names/shapes;
-    with `tp`, each parameter is this rank's shard. Parameters named in `wide` are filled in
-    float32 instead of `dtype` (the checkpoint's values, for a quantizer to read)."""
+    with `tp`, each parameter is this rank's shard. Parameters named in `wide` are assembled in
+    float32 instead of `dtype` (the checkpoint's values, for a quantizer to read), and handed to
+    `consume(name, value)` as soon as assembled: when it takes one (returns True, having
+    installed the parameter itself), it is not stored, so a quantizer holds one weight in
+    float32 at a time."""
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert set(expected) == set(recipe), sorted(set(expected) ^ set(recipe))
     for src in recipe.values():   # validate everything before reading anything
@@ -206,7 +236,7 @@ def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str
             if ckpt.shape(name) != shape:
                 raise CheckpointError(f"{where}: tensor {name!r} has shape "
                                       f"{list(ckpt.shape(name))}, expected {list(shape)}")
-    state = {}
+    state, consumed = {}, set()
     for ours, src in recipe.items():
         if tp is None:
             parts = [ckpt.get(name) for name, _ in src.tensors]
@@ -219,9 +249,14 @@ def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str
             value = torch.stack(parts)
         else:
             value = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        state[ours] = torch.nn.Parameter(value.contiguous(), requires_grad=False)
         assert value.shape == expected[ours], (ours, value.shape, expected[ours])
-    model.load_state_dict(state, assign=True, strict=True)
+        del parts
+        if ours in wide and consume is not None and consume(ours, value.contiguous()):
+            consumed.add(ours)
+            continue
+        state[ours] = torch.nn.Parameter(value.contiguous(), requires_grad=False)
+    result = model.load_state_dict(state, assign=True, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= consumed, result
     for name, buf in model.named_buffers():   # buffers (RoPE tables) follow the device
         *parent, leaf = name.split(".")
         module = model.get_submodule(".".join(parent)) if parent else model
@@ -295,31 +330,14 @@ def gguf_config(reader, path: Path) -> dict:
     return cfg
 
 
-def read_gguf(path: Path) -> tuple[dict, DictCheckpoint]:
-    """A GGUF file as (Hugging Face style config dict, dequantized float32 tensors)."""
+def read_gguf(path: Path) -> tuple[dict, GGUFCheckpoint]:
+    """A GGUF file as (Hugging Face style config dict, its tensors dequantized as read)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     cfg = gguf_config(reader, path)
-    arch = _gguf_field(reader, "general.architecture")
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    tensors = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            continue
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(values, dtype=np.float32))   # a writable copy
-        if t.name in _GGUF_GLOBAL_NAMES:
-            tensors[_GGUF_GLOBAL_NAMES[t.name]] = w
-            continue
-        parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LAYER_NAMES:
-            continue  # tensors the model does not use
-        _, layer, kind, suffix = parts
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            w = _unpermute_rope_rows(w, heads if kind == "attn_q" else kv_heads)
-        tensors[f"model.layers.{layer}.{GGUF_LAYER_NAMES[kind]}.{suffix}"] = w
-    return cfg, DictCheckpoint(tensors)
+    return cfg, GGUFCheckpoint(reader, _gguf_field(reader, "general.architecture"),
+                               cfg["num_attention_heads"], cfg["num_key_value_heads"])
 
 
 def _llama3_rope_scaling(divisors: torch.Tensor, theta: float, path: Path) -> dict | None:
@@ -409,10 +427,16 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
     # quantized from the checkpoint's own values: a GGUF Q8_0 tensor comes back exactly
     wide = frozenset(model.linear_weights() + ["embed", "lm_head"]) & set(recipe) \
         if quantization else frozenset()
-    assemble(model, recipe, ckpt, str(path), dtype, torch.device(device), tp, wide)
+    consume = partial(_quantize, model, quantization, dtype) if quantization else None
+    assemble(model, recipe, ckpt, str(path), dtype, torch.device(device), tp, wide, consume)
     if quantization:
         model.quantize(quantization, dtype)
     return model.eval()
+
+
+def _quantize(model: TargetModel, quantization: str, dtype: torch.dtype, name: str,
+              value: torch.Tensor) -> bool:
+    return model.quantize_weight(name, value, quantization, dtype)
 
 
 def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,

@@ -165,13 +165,17 @@ class TargetModel(nn.Module):
         self.norm = _param(h)
         self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, h)
         self.packed_head: torch.Tensor | QuantizedWeight | None = None   # see pack_weights
+        # after `quantize`: whether a float lm_head is held, and the quantized matrix embedding
+        # lookups read when the float embedding is not
+        self.float_head = True
+        self.embed_rows: QuantizedWeight | None = None
         self.register_buffer("cos_sin", rope_cos_sin(
             cfg.attn, rope_positions(cfg.attn, max_positions)), persistent=False)
 
     @property
     def output_embedding(self) -> torch.Tensor:
         """The lm_head [V, H] (dequantized when only its quantized copy is held)."""
-        if self.embed is None:
+        if not self.float_head:
             return unpacked(self.packed_head).to(self.dtype)
         return self.embed if self.lm_head is None else self.lm_head
 
@@ -186,8 +190,8 @@ class TargetModel(nn.Module):
         return (self.cfg.num_layers, 2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed is None:   # a tied embedding read from the quantized lm_head
-            return self.packed_head.rows(ids).to(self.dtype)
+        if self.embed is None:   # read from its quantized copy
+            return self.embed_rows.rows(ids).to(self.dtype)
         return F.embedding(ids, self.embed) if self.tp is None else \
             self.tp.embedding(ids, self.embed)
 
@@ -236,19 +240,35 @@ class TargetModel(nn.Module):
         values); weights the format cannot hold, and the embedding (lookups; a tied lm_head
         gets a quantized copy), end in `dtype`. Under "int4" the lm_head takes int8, as
         llama.cpp's 4-bit files keep their output matrix in 6 or 8 bits: the logits are where
-        4 bits cost the most agreement."""
+        4 bits cost the most agreement.
+
+        Without tensor parallelism the model then holds its vocabulary matrices only quantized,
+        as llama.cpp does: logits and a draft vocabulary's rows come from the quantized lm_head,
+        and embedding lookups from it too when tied, else from an int8 copy of the embedding."""
         for name in self.linear_weights():
-            quantize_parameter(*self._owner(name), quantization, dtype)
+            module, leaf = self._owner(name)
+            if isinstance(getattr(module, leaf), nn.Parameter):   # not `quantize_weight`'s yet
+                quantize_parameter(module, leaf, quantization, dtype)
         head = "int8" if quantization == "int4" else quantization
         self.packed_head = quantize_linear_weight(self.output_embedding.data, head)
+        if self.tp is None and self.packed_head is not None:
+            self.float_head, self.lm_head = False, None
+            self.embed_rows = self.packed_head if self.cfg.tie_word_embeddings else \
+                quantize_linear_weight(self.embed.data, "int8")
+            self.embed = None
         for name in ("embed", "lm_head"):
             if getattr(self, name) is not None:
                 setattr(self, name, nn.Parameter(getattr(self, name).data.to(dtype),
                                                  requires_grad=False))
-        if self.lm_head is None and self.tp is None and self.packed_head is not None:
-            # a tied embedding is looked up in the quantized lm_head (as llama.cpp does): the
-            # model holds its largest matrix once, at 8 bits
-            self.embed = None
+
+    def quantize_weight(self, name: str, value: torch.Tensor, quantization: str,
+                        dtype: torch.dtype) -> bool:
+        """Install the dense linear weight `name` quantized from `value` (as `quantize` does,
+        one weight at a time: the loader hands each over as read); False for other names."""
+        if name not in self.linear_weights():
+            return False
+        quantize_parameter(*self._owner(name), quantization, dtype, value)
+        return True
 
     def pack_weights(self) -> None:
         """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
@@ -261,7 +281,7 @@ class TargetModel(nn.Module):
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the lm_head, e.g. a draft vocabulary's output embedding [len(ids), H]."""
-        if self.embed is None:
-            return self.embed_tokens(ids)
+        if not self.float_head:
+            return self.packed_head.rows(ids).to(self.dtype)
         head = self.output_embedding
         return head[ids].contiguous() if self.tp is None else self.tp.embedding(ids, head)
