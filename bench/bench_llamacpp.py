@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -93,7 +94,8 @@ def build(cache: Path) -> Path:
     subprocess.run(["cmake", "-S", source, "-B", source / "build", "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF"], check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", source / "build", "-j", "--target", *TOOLS],
+    subprocess.run(["cmake", "--build", source / "build", "-j", str(os.cpu_count() or 1),
+                    "--target", *TOOLS],
                    check=True, capture_output=True)
     return bin_dir
 

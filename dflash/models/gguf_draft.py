@@ -29,15 +29,15 @@ ARCH = "dflash"
 OUTTYPES = ("bf16", "f16", "f32")
 _GLOBAL_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
                  "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_LAYER_NAMES = {hf: kind for kind, hf in GGUF_LAYER_NAMES.items()}   # self_attn.q_proj: attn_q
 
 
 def _gguf_name(name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    to_gguf = {hf: kind for kind, hf in GGUF_LAYER_NAMES.items()}
     _, layer, rest = name.split(".", 2)               # layers.{i}.{module}.weight
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{to_gguf[module]}.{suffix}"
+    return f"blk.{layer}.{_LAYER_NAMES[module]}.{suffix}"
 
 
 def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Path:
@@ -60,11 +60,8 @@ def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Pat
         raise ConfigError("llama.cpp's DFlash GGUF has no attention biases or RoPE scaling; "
                           "this draft uses them")
     ckpt = SafetensorsCheckpoint(draft_dir)
-    names = list(_GLOBAL_NAMES)[:3] + [
-        f"layers.{i}.{module}.weight" for i in range(cfg.num_layers) for module in (
-            "input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-            "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-            "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
+        f"layers.{i}.{module}.weight" for i in range(cfg.num_layers) for module in _LAYER_NAMES]
     reduced = config.get("draft_vocab_size") is not None
     if reduced:
         names.append("lm_head.weight")
