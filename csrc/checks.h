@@ -106,6 +106,19 @@ inline void rejection_sample_meta(const at::Tensor& draft_token_ids,
   check_tensor(op, "exponential", exponential, {at::kFloat}, 2, {bs, v}, dev);
 }
 
+// rejection_sample.out's outputs: int64 [bs, k + 1] and [bs] on the inputs' device, contiguous.
+inline void rejection_sample_out(const at::Tensor& draft_token_ids,
+                                 const at::Tensor& output_token_ids,
+                                 const at::Tensor& num_accepted) {
+  constexpr const char* op = "rejection_sample";
+  const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1);
+  const auto dev = draft_token_ids.device();
+  check_tensor(op, "output_token_ids", output_token_ids, {at::kLong}, 2, {bs, k + 1}, dev);
+  check_tensor(op, "num_accepted", num_accepted, {at::kLong}, 1, {bs}, dev);
+  DFLASH_CHECK(output_token_ids.is_contiguous() && num_accepted.is_contiguous(), op,
+               "output_token_ids and num_accepted must be contiguous");
+}
+
 // The first value check: every draft token indexes the vocabulary ([bs, k] host ids).
 inline void rejection_sample_ids(const int64_t* ids, int64_t bs, int64_t k, int64_t v) {
   for (int64_t i = 0; i < bs * k; ++i)
@@ -221,6 +234,14 @@ inline void paged_attention_meta(const at::Tensor& query, const at::Tensor& key,
     DFLASH_CHECK(causal, op, "tree_mask needs causal=True (a tree is a subset of the causal mask)");
     check_tensor(op, "tree_mask", *tree_mask, {at::kByte}, 2, {tq, kAny}, dev);
   }
+}
+
+// paged_attention.out's `out`: the output's shape, dtype and device, contiguous (rows written
+// densely).
+inline void paged_attention_out(const at::Tensor& query, const at::Tensor& out) {
+  constexpr const char* op = "paged_attention";
+  check_tensor(op, "out", out, {query.scalar_type()}, 3, query.sizes(), query.device());
+  DFLASH_CHECK(out.is_contiguous(), op, "out must be contiguous");
 }
 
 // A host copy (contiguous) of tree_mask [tq, width]: row i of a sequence sees itself and only

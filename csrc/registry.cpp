@@ -16,10 +16,21 @@ TORCH_LIBRARY(dflash, m) {
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
       "float scale, bool causal, bool check=True, Tensor? tree_mask=None) -> Tensor");
+  // The same into a caller-owned output: nothing allocated, so a captured graph (an ACL graph on
+  // Ascend) replays it into fixed memory (docs/design.md 3.2).
+  m.def(
+      "paged_attention.out(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
+      "float scale, bool causal, bool check=True, Tensor? tree_mask=None, *, Tensor(a!) out) -> "
+      "()");
   m.def(
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True) -> "
       "(Tensor, Tensor)");
+  m.def(
+      "rejection_sample.out(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True, *, "
+      "Tensor(a!) output_token_ids, Tensor(b!) num_accepted) -> ()");
   // docs/design.md section 3.4: the decoder layer's small ops, each one call instead of several ATen
   // calls (csrc/cpu/layer_ops.cpp; the PyTorch reference serves other devices).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -107,19 +107,28 @@ void call_every_launcher(bool report = false) {
       std::printf("%s\n", e.what_without_backtrace());
     }
   };
-  // paged_attention: one sequence of 2 new tokens, no context
+  // paged_attention (the functional schema, then .out): one sequence of 2 new tokens, no context
+  using dflash::npu::paged_attention_into, dflash::npu::sample_into;
+  const auto attention = [&](auto launcher, auto... out) {
+    launcher(at::randn({2, 2, 8}, f), at::randn({2, 1, 8}, f), at::randn({2, 1, 8}, f),
+             at::randn({2, 4, 1, 8}, f), at::randn({2, 4, 1, 8}, f), at::zeros({1, 1}, i32),
+             at::zeros({1}, i32), at::tensor({0, 2}, i32), 0.35, true, false, std::nullopt, out...);
+  };
+  call([&] { attention(dflash::variants::paged_attention<paged_attention_into>); });
   call([&] {
-    dflash::npu::paged_attention_npu(
-        at::randn({2, 2, 8}, f), at::randn({2, 1, 8}, f), at::randn({2, 1, 8}, f),
-        at::randn({2, 4, 1, 8}, f), at::randn({2, 4, 1, 8}, f), at::zeros({1, 1}, i32),
-        at::zeros({1}, i32), at::tensor({0, 2}, i32), 0.35, true, false, std::nullopt);
+    at::Tensor out = at::empty({2, 2, 8}, f);
+    attention(dflash::variants::paged_attention_out<paged_attention_into>, out);
   });
-  // rejection_sample: one greedy row of 2 drafts over 5 tokens
+  // rejection_sample (likewise): one greedy row of 2 drafts over 5 tokens
+  const auto sample = [&](auto launcher, auto&... out) {
+    launcher(at::zeros({1, 2}, i64), std::nullopt, at::softmax(at::randn({1, 3, 5}, f), -1),
+             at::ones({1}, at::TensorOptions().dtype(at::kBool)), at::zeros({1, 2}, f),
+             at::ones({1, 5}, f), false, out...);
+  };
+  call([&] { sample(dflash::variants::rejection_sample<sample_into>); });
   call([&] {
-    dflash::npu::rejection_sample_npu(at::zeros({1, 2}, i64), std::nullopt,
-                                      at::softmax(at::randn({1, 3, 5}, f), -1),
-                                      at::ones({1}, at::TensorOptions().dtype(at::kBool)),
-                                      at::zeros({1, 2}, f), at::ones({1, 5}, f), false);
+    at::Tensor ids = at::empty({1, 3}, i64), accepted = at::empty({1}, i64);
+    sample(dflash::variants::rejection_sample_out<sample_into>, ids, accepted);
   });
   // context_kv: 2 tokens, 1 layer, 1 kv head of 8
   call([&] {

@@ -221,7 +221,8 @@ def test_only_a_checked_context_kv_copies_positions_and_slots_to_the_host(emu):
 
 def test_unchecked_launches_make_no_transfer_and_capture_refuses_one(emu):
     """Graph capture's contract: a launch with check=False on known caches copies nothing in
-    either direction (tilings travel as kernel arguments); while capturing, a copy raises."""
+    either direction (tilings travel as kernel arguments); while capturing, a copy raises, and
+    so does an output the launcher would allocate (the .out overloads: test_out_variants)."""
     kv = context_kv_inputs()
     emu.context_kv(**kv, check=False)                       # uploads the caches' table
     rs = rejection_sample_inputs(bs=3, k=4, v=50)
@@ -229,7 +230,9 @@ def test_unchecked_launches_make_no_transfer_and_capture_refuses_one(emu):
     emu.set_capturing(True)
     try:
         emu.context_kv(**kv, check=False)
-        emu.rejection_sample(**rs, check=False)
+        with pytest.raises(RuntimeError, match="rejection_sample allocates its output while "
+                                               "capturing"):
+            emu.rejection_sample(**rs, check=False)
         with pytest.raises(RuntimeError, match="device-to-host copy while capturing"):
             emu.rejection_sample(**rs)
         fresh = context_kv_inputs(seed=1)

@@ -148,4 +148,4 @@ def test_ops_wrapper_dispatches_through_the_backend_choice(monkeypatch):
     monkeypatch.setattr(npu_attention, "paged_attention",
                         lambda *a: seen.append(len(a)) or torch.zeros(1))
     dflash.ops.paged_attention(*paged_attention_inputs().values())
-    assert seen == [12]   # every argument, check and tree_mask included
+    assert seen == [13]   # every argument, check, tree_mask and out included

@@ -319,7 +319,7 @@ def test_loading_quantizes_weight_by_weight(tmp_path, form):
     import sys
 
     hf = make_tiny_target(tmp_path / "hf", "llama", vocab_size=256, hidden_size=512,
-                          intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                          intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
                           num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
     float32_bytes = 4 * sum(p.numel() for p in hf.parameters())
     if form == "safetensors":
@@ -335,7 +335,7 @@ def test_loading_quantizes_weight_by_weight(tmp_path, form):
                              text=True, check=True)
         return int(run.stdout.split()[-1]) - file_bytes
 
-    assert peak(PEAK) < 0.9 * float32_bytes   # measured: 0.7 (1.3 holding them all)
+    assert peak(PEAK) < 0.8 * float32_bytes   # measured: 0.5-0.6 (1.2-1.3 holding them all)
     assert peak(PEAK.replace('quantization="int8"', "quantization=None")
                 .replace("torch.bfloat16", "torch.float32")) > float32_bytes
 

@@ -6,6 +6,7 @@
 
 #include "kernel_operator.h"
 #include "npu/ascend_host.h"
+#include "out_variants.h"
 
 extern "C" {
 void dflash_rejection_sample(uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*, uint8_t*,
@@ -54,15 +55,14 @@ dflash::emu::GmArg gm(const at::Tensor& t, bool writable, std::string name) {
 
 using dflash::ascend::gm_ptr;
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_token_ids,
-                                                    const std::optional<at::Tensor>& draft_probs,
-                                                    const at::Tensor& target_probs,
-                                                    const at::Tensor& is_greedy,
-                                                    const at::Tensor& uniform,
-                                                    const at::Tensor& exponential, bool check) {
-  auto l = dflash::ascend::prepare_rejection_sample(draft_token_ids, draft_probs, target_probs,
-                                                    is_greedy, uniform, exponential, check,
-                                                    config.cores, config.ub_bytes, config.max_tile);
+std::tuple<at::Tensor, at::Tensor> sample_into(
+    const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
+    const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
+    const at::Tensor& exponential, bool check, const std::optional<at::Tensor>& out_ids,
+    const std::optional<at::Tensor>& num_accepted) {
+  auto l = dflash::ascend::prepare_rejection_sample(
+      draft_token_ids, draft_probs, target_probs, is_greedy, uniform, exponential, check, out_ids,
+      num_accepted, config.cores, config.ub_bytes, config.max_tile);
   if (l.block_dim == 0) return {l.out_ids, l.num_accepted};
   std::vector<dflash::emu::GmArg> args{
       gm(l.draft_ids, false, "draft_token_ids"), gm(l.target_probs, false, "target_probs"),
@@ -108,14 +108,16 @@ void context_kv(const at::Tensor& hidden, const std::optional<at::Tensor>& fc_we
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                           const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const at::Tensor& block_table, const at::Tensor& context_lens,
-                           const at::Tensor& cu_query_lens, double scale, bool causal, bool check,
-                           const std::optional<at::Tensor>& tree_mask) {
+at::Tensor paged_attention_into(const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_table,
+                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
+                                double scale, bool causal, bool check,
+                                const std::optional<at::Tensor>& tree_mask,
+                                const std::optional<at::Tensor>& out) {
   auto l = dflash::ascend::prepare_paged_attention(
       query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens, scale,
-      causal, check, tree_mask, config.cores, config.ub_bytes);
+      causal, check, tree_mask, out, config.cores, config.ub_bytes);
   if (l.block_dim == 0) return l.out;
   std::vector<dflash::emu::GmArg> args{gm(l.query, false, "query"),
                                        gm(l.key, false, "key"),
@@ -156,7 +158,13 @@ int64_t transfers() {
   return dflash::ascend::transfers().load();
 }
 
-// Graph capture's rule for the tests: while on, any host<->device copy raises.
+// Outputs the shared host code has allocated.
+int64_t allocations() {
+  return dflash::ascend::allocations().load();
+}
+
+// Graph capture's rules for the tests: while on, any host<->device copy and any output the
+// launcher would allocate raise.
 void set_capturing(bool on) {
   dflash::ascend::capturing() = on;
 }
@@ -202,11 +210,21 @@ TORCH_LIBRARY(dflash_emu, m) {
       "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True) -> "
       "(Tensor, Tensor)");
   m.def(
+      "rejection_sample.out(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
+      "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True, *, "
+      "Tensor(a!) output_token_ids, Tensor(b!) num_accepted) -> ()");
+  m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
       "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
       "float scale, bool causal, bool check=True, Tensor? tree_mask=None) -> Tensor");
+  m.def(
+      "paged_attention.out(Tensor query, Tensor key, Tensor value, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
+      "float scale, bool causal, bool check=True, Tensor? tree_mask=None, *, Tensor(a!) out) -> "
+      "()");
   m.def("configure(int cores, int max_tile, int ub_bytes=0) -> ()", &dflash::emu::configure);
   m.def("transfers() -> int", &dflash::emu::transfers);
+  m.def("allocations() -> int", &dflash::emu::allocations);
   m.def("set_capturing(bool on) -> ()", &dflash::emu::set_capturing);
   m.def(
       "paged_attention_plan(int q_heads, int kv_heads, int head_dim, int block_size, "
@@ -218,6 +236,9 @@ TORCH_LIBRARY(dflash_emu, m) {
 
 TORCH_LIBRARY_IMPL(dflash_emu, CPU, m) {
   m.impl("context_kv", &dflash::emu::context_kv);
-  m.impl("rejection_sample", &dflash::emu::rejection_sample);
-  m.impl("paged_attention", &dflash::emu::paged_attention);
+  using dflash::emu::paged_attention_into, dflash::emu::sample_into;
+  m.impl("rejection_sample", &dflash::variants::rejection_sample<sample_into>);
+  m.impl("rejection_sample.out", &dflash::variants::rejection_sample_out<sample_into>);
+  m.impl("paged_attention", &dflash::variants::paged_attention<paged_attention_into>);
+  m.impl("paged_attention.out", &dflash::variants::paged_attention_out<paged_attention_into>);
 }

@@ -17,6 +17,7 @@
 // diagonal are masked. Items are handed out dynamically, largest first, so ragged batches and
 // causal prefill tiles balance over the threads.
 #include "cpu/common.h"
+#include "out_variants.h"
 
 #include <algorithm>
 #include <array>
@@ -568,12 +569,14 @@ void run(const Args<T>& a, int64_t batch) {
   });
 }
 
-at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
-                               const at::Tensor& value, const at::Tensor& key_cache,
-                               const at::Tensor& value_cache, const at::Tensor& block_table,
-                               const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
-                               double scale, bool causal, bool /*check*/,
-                               const std::optional<at::Tensor>& tree_mask) {
+// Attention into `into` (paged_attention.out), or into a new tensor when it is absent.
+at::Tensor paged_attention_into(const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& block_table,
+                                const at::Tensor& context_lens, const at::Tensor& cu_query_lens,
+                                double scale, bool causal, bool /*check*/,
+                                const std::optional<at::Tensor>& tree_mask,
+                                const std::optional<at::Tensor>& into) {
   // As in context_kv: the index checks cost no copy on the CPU, so they always run.
   checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
                                cu_query_lens, scale, causal, tree_mask);
@@ -588,7 +591,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
     checks::tree_mask_values(mask.data_ptr<uint8_t>(), mask.size(1), cu.data_ptr<int32_t>(),
                              table.size(0));
 
-  auto out = at::empty_like(query, at::MemoryFormat::Contiguous);
+  if (into) checks::paged_attention_out(query, *into);
+  auto out = into ? *into : at::empty_like(query, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
   // The caches are read in place through their strides (per-layer views of a stacked cache need
   // no copy); only their last dim must be contiguous.
@@ -641,5 +645,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key,
 }  // namespace dflash::cpu::paged_attention
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("paged_attention", &dflash::cpu::paged_attention::paged_attention_cpu);
+  using dflash::cpu::paged_attention::paged_attention_into;
+  m.impl("paged_attention", &dflash::variants::paged_attention<paged_attention_into>);
+  m.impl("paged_attention.out", &dflash::variants::paged_attention_out<paged_attention_into>);
 }

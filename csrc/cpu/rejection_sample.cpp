@@ -20,6 +20,7 @@
 #include <ATen/cpu/vec/functional.h>
 
 #include "cpu/common.h"
+#include "out_variants.h"
 
 namespace dflash::cpu::rejection_sample {
 namespace {
@@ -281,14 +282,15 @@ void write_row(const Inputs& in, int64_t b, const Outcome& o, int64_t* out, int6
 // check: every probability and noise value is checked first (phase 1 above), as in the
 // reference; else each sequence checks what it reads, and the first failure in the reference's
 // order (target rows, draft rows, noise rows; lowest sequence first) is reported.
-std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_token_ids_,
-                                                    const std::optional<at::Tensor>& draft_probs_,
-                                                    const at::Tensor& target_probs_,
-                                                    const at::Tensor& is_greedy_,
-                                                    const at::Tensor& uniform_,
-                                                    const at::Tensor& exponential_, bool check) {
+// Into `out_ids` / `num_out` (rejection_sample.out), or into new tensors when they are absent.
+std::tuple<at::Tensor, at::Tensor> sample_into(
+    const at::Tensor& draft_token_ids_, const std::optional<at::Tensor>& draft_probs_,
+    const at::Tensor& target_probs_, const at::Tensor& is_greedy_, const at::Tensor& uniform_,
+    const at::Tensor& exponential_, bool check, const std::optional<at::Tensor>& out_ids,
+    const std::optional<at::Tensor>& num_out) {
   checks::rejection_sample_meta(draft_token_ids_, draft_probs_, target_probs_, is_greedy_, uniform_,
                                 exponential_);
+  if (out_ids) checks::rejection_sample_out(draft_token_ids_, *out_ids, *num_out);
   const at::Tensor ids_t = draft_token_ids_.contiguous(), p_t = target_probs_.contiguous(),
                    greedy_t = is_greedy_.contiguous(), u_t = uniform_.contiguous(),
                    e_t = exponential_.contiguous();
@@ -344,8 +346,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_toke
 
   // Phase 2 per sequence: about two rows of reads each, so a few sequences share one thread
   // (one sequence alone is not worth a fork-join)
-  at::Tensor out = at::empty({bs, k + 1}, ids_t.options());
-  at::Tensor num_accepted = at::empty({bs}, ids_t.options());
+  at::Tensor out = out_ids ? *out_ids : at::empty({bs, k + 1}, ids_t.options());
+  at::Tensor num_accepted = num_out ? *num_out : at::empty({bs}, ids_t.options());
   int64_t* out_p = out.data_ptr<int64_t>();
   int64_t* num_p = num_accepted.data_ptr<int64_t>();
   at::parallel_for(0, bs, 4, [&](int64_t begin, int64_t end) {
@@ -389,5 +391,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& draft_toke
 }  // namespace dflash::cpu::rejection_sample
 
 TORCH_LIBRARY_IMPL(dflash, CPU, m) {
-  m.impl("rejection_sample", &dflash::cpu::rejection_sample::rejection_sample);
+  using dflash::cpu::rejection_sample::sample_into;
+  m.impl("rejection_sample", &dflash::variants::rejection_sample<sample_into>);
+  m.impl("rejection_sample.out", &dflash::variants::rejection_sample_out<sample_into>);
 }

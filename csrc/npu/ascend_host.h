@@ -57,6 +57,22 @@ inline at::Tensor to_device(const at::Tensor& t, const at::Device& device) {
   return t.to(device);
 }
 
+// The outputs the launchers allocate, counted like transfers (torch.ops.dflash_emu.allocations).
+// While capturing, an op that would allocate its output is refused: a captured graph replays
+// into memory its caller owns, so a captured step calls the .out overloads.
+inline std::atomic<int64_t>& allocations() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+inline at::Tensor new_output(const char* op, at::IntArrayRef sizes, const at::TensorOptions& o) {
+  TORCH_CHECK(!capturing(), "dflash::", op,
+              " allocates its output while capturing: a captured graph replays into memory its "
+              "caller owns (call the op's .out overload with preallocated outputs)");
+  ++allocations();
+  return at::empty(sizes, o);
+}
+
 // A kernel argument: the GM address of `t`, or nullptr for an absent optional tensor.
 inline uint8_t* gm_ptr(const at::Tensor& t) {
   return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr;
@@ -107,10 +123,12 @@ struct RejectionSampleLaunch {
 inline RejectionSampleLaunch prepare_rejection_sample(
     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
     const at::Tensor& target_probs, const at::Tensor& is_greedy, const at::Tensor& uniform,
-    const at::Tensor& exponential, bool check, uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    const at::Tensor& exponential, bool check, const std::optional<at::Tensor>& out_ids,
+    const std::optional<at::Tensor>& num_accepted, uint32_t cores, uint64_t ub_bytes = kUbBytes,
     uint32_t max_tile = 0) {
   checks::rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                 exponential);
+  if (out_ids) checks::rejection_sample_out(draft_token_ids, *out_ids, *num_accepted);
   if (check)
     check_rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform, exponential);
   const int64_t bs = draft_token_ids.size(0), k = draft_token_ids.size(1), v = target_probs.size(2);
@@ -126,8 +144,10 @@ inline RejectionSampleLaunch prepare_rejection_sample(
   l.is_greedy = is_greedy.contiguous();
   l.uniform = uniform.contiguous();
   l.exponential = exponential.contiguous();
-  l.out_ids = at::empty({bs, k + 1}, draft_token_ids.options());
-  l.num_accepted = at::empty({bs}, draft_token_ids.options());
+  l.out_ids =
+      out_ids ? *out_ids : new_output("rejection_sample", {bs, k + 1}, draft_token_ids.options());
+  l.num_accepted = num_accepted ? *num_accepted
+                                : new_output("rejection_sample", {bs}, draft_token_ids.options());
   return l;
 }
 
@@ -282,19 +302,19 @@ inline PagedAttentionLaunch prepare_paged_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_table,
     const at::Tensor& context_lens, const at::Tensor& cu_query_lens, double scale, bool causal,
-    bool check, const std::optional<at::Tensor>& tree_mask, uint32_t cores,
-    uint64_t ub_bytes = kUbBytes, SumWorkspace sum_workspace = emulated_sum_workspace) {
+    bool check, const std::optional<at::Tensor>& tree_mask, const std::optional<at::Tensor>& out,
+    uint32_t cores, uint64_t ub_bytes = kUbBytes,
+    SumWorkspace sum_workspace = emulated_sum_workspace) {
   constexpr const char* op = "paged_attention";
   checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
                                cu_query_lens, scale, causal, tree_mask);
+  if (out) checks::paged_attention_out(query, *out);
   if (check)
     check_paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens,
                                  tree_mask);
   PagedAttentionLaunch l{};
-  if (query.numel() == 0) {  // no rows, heads or head_dim: nothing to launch
-    l.out = at::empty_like(query);
-    return l;
-  }
+  l.out = out ? *out : new_output(op, query.sizes(), query.options());
+  if (query.numel() == 0) return l;  // no rows, heads or head_dim: nothing to launch
   const int64_t tq = query.size(0), d = query.size(2), hkv = key.size(1);
   const int64_t batch = block_table.size(0);
   const auto elem = static_cast<uint32_t>(query.element_size());
@@ -323,7 +343,6 @@ inline PagedAttentionLaunch prepare_paged_attention(
     l.tree_mask = tree_mask->contiguous();
     l.tiling.tree_width = static_cast<uint32_t>(l.tree_mask.size(1));
   }
-  l.out = at::empty_like(l.query);
   return l;
 }
 

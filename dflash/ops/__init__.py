@@ -71,7 +71,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_table: torch.Tensor, context_lens: torch.Tensor,
                     cu_query_lens: torch.Tensor, scale: float, causal: bool,
-                    check: bool = True, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    check: bool = True, tree_mask: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every sequence's new tokens over its paged context plus its new tokens.
 
     Args:
@@ -93,20 +94,25 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             sequence's new tokens). A row sees itself and only earlier rows of its sequence
             (its ancestors), a subset of the causal mask; with `check` that is checked.
 
+        out: None, or where to write the result ([Tq, Hq, D], the query's dtype and device,
+            contiguous; `paged_attention.out`): the op then allocates nothing, as a captured
+            graph needs (on an NPU, while `capturing`, an allocating call is refused).
+
     Returns:
-        [Tq, Hq, D] in the query dtype; softmax in float32.
+        [Tq, Hq, D] in the query dtype (`out` when given); softmax in float32.
 
     On an Ascend NPU, `DFLASH_NPU_ATTENTION=fused_infer` serves this call with torch_npu's
     `npu_fused_infer_attention_score` instead of dflash's kernel (see `dflash.ops.npu_attention`).
     """
     return npu_attention.paged_attention(query, key, value, key_cache, value_cache, block_table,
                                          context_lens, cu_query_lens, scale, causal, check,
-                                         tree_mask)
+                                         tree_mask, out)
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                      target_probs: torch.Tensor, is_greedy: torch.Tensor, uniform: torch.Tensor,
-                     exponential: torch.Tensor, check: bool = True
+                     exponential: torch.Tensor, check: bool = True,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest valid prefix of each draft and emit one correction or bonus token.
 
@@ -129,12 +135,18 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
             engine), checks only the ids, the coins and the values sampling reads (p and q at the
             drafts up to the first rejection, then the rows that token is drawn from), with the
             same messages. Shapes, dtypes and devices are always checked.
+        out: None, or (output_token_ids, num_accepted) to write the results into (int64,
+            contiguous; `rejection_sample.out`), as for paged_attention's `out`.
 
     Returns:
-        output_token_ids [Bs, K + 1] int64 (emitted tokens, then -1) and num_accepted [Bs] int64.
+        output_token_ids [Bs, K + 1] int64 (emitted tokens, then -1) and num_accepted [Bs] int64
+        (`out` when given).
     """
-    return torch.ops.dflash.rejection_sample(draft_token_ids, draft_probs, target_probs,
-                                             is_greedy, uniform, exponential, check)
+    args = (draft_token_ids, draft_probs, target_probs, is_greedy, uniform, exponential, check)
+    if out is None:
+        return torch.ops.dflash.rejection_sample(*args)
+    torch.ops.dflash.rejection_sample.out(*args, output_token_ids=out[0], num_accepted=out[1])
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

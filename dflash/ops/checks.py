@@ -146,6 +146,13 @@ def paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
         check_tensor(op, "tree_mask", tree_mask, torch.uint8, 2, (tq, None), dev)
 
 
+def paged_attention_out(query, out) -> None:
+    """paged_attention.out's `out`: the output's shape, dtype and device, contiguous."""
+    op = "paged_attention"
+    check_tensor(op, "out", out, query.dtype, 3, tuple(query.shape), query.device)
+    require(out.is_contiguous(), op, "out must be contiguous")
+
+
 def paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens,
                            tree_mask=None) -> None:
     op = "paged_attention"
@@ -210,6 +217,18 @@ def rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy,
     check_tensor(op, "is_greedy", is_greedy, torch.bool, 1, (bs,), dev)
     check_tensor(op, "uniform", uniform, torch.float32, 2, (bs, k), dev)
     check_tensor(op, "exponential", exponential, torch.float32, 2, (bs, v), dev)
+
+
+def rejection_sample_out(draft_token_ids, output_token_ids, num_accepted) -> None:
+    """rejection_sample.out's outputs: int64 [bs, k + 1] and [bs] on the inputs' device,
+    contiguous."""
+    op = "rejection_sample"
+    bs, k = draft_token_ids.shape
+    dev = draft_token_ids.device
+    check_tensor(op, "output_token_ids", output_token_ids, torch.int64, 2, (bs, k + 1), dev)
+    check_tensor(op, "num_accepted", num_accepted, torch.int64, 1, (bs,), dev)
+    require(output_token_ids.is_contiguous() and num_accepted.is_contiguous(), op,
+            "output_token_ids and num_accepted must be contiguous")
 
 
 def _check_probs(op: str, name: str, probs: torch.Tensor) -> None:

@@ -41,17 +41,23 @@ def backend() -> str:
 
 def paged_attention(query, key, value, key_cache, value_cache, block_table, context_lens,
                     cu_query_lens, scale: float, causal: bool, check: bool = True,
-                    tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    tree_mask: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """`dflash.ops.paged_attention`, dispatched to the selected backend for NPU tensors (tree
-    masks always take dflash's kernel: fused_infer's masks are per batch, not per row)."""
-    if query.device.type == "npu" and backend() == "fused_infer" and tree_mask is None:
+    masks and `out` always take dflash's kernel: fused_infer's masks are per batch, not per
+    row, and it allocates its output)."""
+    if query.device.type == "npu" and backend() == "fused_infer" and tree_mask is None \
+            and out is None:
         import torch_npu
 
         return fused_infer_attention(torch_npu, query, key, value, key_cache, value_cache,
                                      block_table, context_lens, cu_query_lens, scale, causal)
-    return torch.ops.dflash.paged_attention(query, key, value, key_cache, value_cache, block_table,
-                                            context_lens, cu_query_lens, scale, causal,
-                                            check, tree_mask)
+    args = (query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
+            scale, causal, check, tree_mask)
+    if out is None:
+        return torch.ops.dflash.paged_attention(*args)
+    torch.ops.dflash.paged_attention.out(*args, out=out)
+    return out
 
 
 _masks: dict[torch.device, torch.Tensor] = {}

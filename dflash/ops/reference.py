@@ -114,6 +114,17 @@ def paged_attention(query, key, value, key_cache, value_cache, block_table, cont
     return out
 
 
+def paged_attention_out(query, key, value, key_cache, value_cache, block_table, context_lens,
+                        cu_query_lens, scale, causal, check: bool = True,
+                        tree_mask: torch.Tensor | None = None, *, out: torch.Tensor) -> None:
+    """`paged_attention` written into `out` ([Tq, Hq, D], the query's dtype, contiguous)."""
+    checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
+                                context_lens, cu_query_lens, scale, causal, tree_mask)
+    checks.paged_attention_out(query, out)
+    out.copy_(paged_attention(query, key, value, key_cache, value_cache, block_table,
+                              context_lens, cu_query_lens, scale, causal, check, tree_mask))
+
+
 def _noisy_argmax(weights: torch.Tensor, exponential: torch.Tensor) -> int:
     """argmax_v weights[v] / exponential[v] (float32 division, first index on ties).
 
@@ -174,6 +185,20 @@ def rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, unif
         out[b, a] = final
         num_accepted[b] = a
     return out, num_accepted
+
+
+def rejection_sample_out(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                         exponential, check: bool = True, *, output_token_ids: torch.Tensor,
+                         num_accepted: torch.Tensor) -> None:
+    """`rejection_sample` written into `output_token_ids` [Bs, K+1] and `num_accepted` [Bs]
+    (int64, contiguous)."""
+    checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                                 exponential)
+    checks.rejection_sample_out(draft_token_ids, output_token_ids, num_accepted)
+    ids, n = rejection_sample(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                              exponential, check)
+    output_token_ids.copy_(ids)
+    num_accepted.copy_(n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from .packing import PANEL
 LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache",
              "panel_linear", "quant_linear")
 OPS = ("context_kv", "paged_attention", "rejection_sample", *LAYER_OPS)
+# ops with an overload into caller-owned outputs (`.out`), for graph capture
+OUT_OPS = ("paged_attention", "rejection_sample")
 _CAPABILITY_ORDER = ("AVX512", "AVX2", "DEFAULT")
 
 
@@ -72,6 +74,10 @@ for _op in OPS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash::{_op}", "CPU"):
         torch.library.register_kernel(f"dflash::{_op}", "cpu", getattr(reference, _op))
         _REFERENCE_FALLBACKS["CPU"].add(_op)
+for _op in OUT_OPS:
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash::{_op}.out", "CPU"):
+        torch.library.register_kernel(f"dflash::{_op}.out", "cpu", getattr(reference, f"{_op}_out"))
+        _REFERENCE_FALLBACKS["CPU"].add(f"{_op}.out")
 for _op in LAYER_OPS:   # every device without its own kernel (CompositeExplicitAutograd)
     torch.library.register_kernel(f"dflash::{_op}", None, getattr(reference, _op))
 
@@ -93,6 +99,15 @@ def _paged_attention_fake(query, key, value, key_cache, value_cache, block_table
     return torch.empty_like(query)
 
 
+@torch.library.register_fake("dflash::paged_attention.out")
+def _paged_attention_out_fake(query, key, value, key_cache, value_cache, block_table,
+                              context_lens, cu_query_lens, scale, causal, check=True,
+                              tree_mask=None, *, out):
+    checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
+                                context_lens, cu_query_lens, scale, causal, tree_mask)
+    checks.paged_attention_out(query, out)
+
+
 @torch.library.register_fake("dflash::rejection_sample")
 def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                            exponential, check=True):
@@ -100,6 +115,14 @@ def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, is_greedy
                                  exponential)
     bs, k = draft_token_ids.shape
     return draft_token_ids.new_empty(bs, k + 1), draft_token_ids.new_empty(bs)
+
+
+@torch.library.register_fake("dflash::rejection_sample.out")
+def _rejection_sample_out_fake(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                               exponential, check=True, *, output_token_ids, num_accepted):
+    checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
+                                 exponential)
+    checks.rejection_sample_out(draft_token_ids, output_token_ids, num_accepted)
 
 
 @torch.library.register_fake("dflash::rms_norm")
