@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+import dflash.ops
+from dflash.ops import checks, reference
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "ascend_kernels"
 SOURCES = [
@@ -53,3 +56,32 @@ def ops():
         verbose=False,
     )
     return torch.ops.dflash_emu
+
+
+class Emulated:
+    """The ops as an NPU build serves them: the three fused ops by the emulated Ascend launchers,
+    qkv_rope_cache by the PyTorch reference (it has no NPU kernel). `transfers()` counts the
+    launchers' device-to-host copies and the reference's slot checks (one copy each on a
+    device)."""
+
+    def __init__(self, emu, monkeypatch):
+        self.emu, self.slot_checks = emu, 0
+        for name in ("context_kv", "rejection_sample"):
+            monkeypatch.setattr(dflash.ops, name, getattr(emu, name))
+
+        def paged_attention(*args, out=None, **kwargs):   # dflash.ops' `out` argument
+            if out is None:
+                return emu.paged_attention(*args, **kwargs)
+            emu.paged_attention.out(*args, **kwargs, out=out)
+            return out
+        monkeypatch.setattr(dflash.ops, "paged_attention", paged_attention)
+        monkeypatch.setattr(dflash.ops, "qkv_rope_cache", reference.qkv_rope_cache)
+        check = checks.slot_mapping_values
+
+        def counted(*args):
+            self.slot_checks += 1
+            return check(*args)
+        monkeypatch.setattr(checks, "slot_mapping_values", counted)
+
+    def transfers(self):
+        return self.emu.transfers() + self.slot_checks

@@ -1,10 +1,12 @@
 """`torch.compile(fullgraph=True)` of the DFlash decode step on CPU, the stand-in for an ACL graph
 capture (dflash/engine/step.py): one graph, compiled once for a whole greedy decode, with the
 tokens of the eager step, of the engine's ragged path and of `transformers` target-only greedy
-generation (float32, tiny random Qwen3 + DFlash draft); and context_kv and rejection_sample traced
-alone (paged_attention alone: test_op_registry.py)."""
+generation (float32, tiny random Qwen3 + DFlash draft); the same step captured eagerly on the
+emulated Ascend launchers (the ACL graph contract: no copy, no allocated output); and context_kv
+and rejection_sample traced alone (paged_attention alone: test_op_registry.py)."""
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,11 +14,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from dflash import SamplingParams, ops
 from dflash.engine.request import Request
-from dflash.engine.step import decode_step
+from dflash.engine.step import attention_buffers, decode_step
 from dflash.engine.worker import Worker
 from dflash.models import load_draft, load_target
 from dflash.ops.cases import context_kv_inputs, rejection_sample_inputs
 
+import ascend_emu
 from helpers import hf_greedy, make_tiny_pair
 
 B, TOKENS, KV_BLOCK = 8, 64, 16
@@ -127,6 +130,47 @@ def test_uniform_step_on_a_checked_plan_skips_the_ops_value_checks(models, monke
     assert drafts and {name for name, _ in flags} == {"context_kv", "paged_attention",
                                                       "qkv_rope_cache"}
     assert not any(check for _, check in flags)
+
+
+def _captured(emu, with_buffers: bool, costs: list):
+    """decode_step as a capturing runner calls it on an NPU: the first call runs eagerly (the
+    warm-up, which uploads context_kv's cache table), later ones while the emulated launchers
+    capture, with the attention outputs allocated before (`attention_buffers`) or not. Appends
+    each captured call's (host<->device copies, output allocations) to `costs`."""
+    calls = []
+
+    def step(target, draft, tokens, meta, *rest):
+        calls.append(1)
+        if len(calls) == 1:
+            return decode_step(target, draft, tokens, meta, *rest)
+        if with_buffers:
+            meta = replace(meta, attention_out=attention_buffers(target, draft, tokens.numel()))
+        before = emu.transfers(), emu.allocations()
+        emu.set_capturing(True)
+        try:
+            out = decode_step(target, draft, tokens, meta, *rest)
+        finally:
+            emu.set_capturing(False)
+        costs.append((emu.transfers() - before[0], emu.allocations() - before[1]))
+        return out
+    return step
+
+
+def test_a_decode_step_keeps_the_capture_contract_on_the_emulated_npu(models, eager,
+                                                                       monkeypatch):
+    """The uniform step on the emulated Ascend launchers, captured after a warm-up: with its
+    attention outputs preallocated, no op copies between host and device nor allocates an
+    output, and the tokens and drafts are the eager step's; without them, the first attention
+    is refused (the negative control)."""
+    emu = ascend_emu.Emulated(ascend_emu.ops(), monkeypatch).emu
+    costs = []
+    tokens, accepted, drafts, _ = _decode(models, _captured(emu, True, costs))
+    eager_tokens, eager_accepted, eager_drafts, _ = eager
+    assert tokens == eager_tokens and accepted == eager_accepted
+    assert all(torch.equal(a, b) for a, b in zip(drafts, eager_drafts))
+    assert len(costs) == len(drafts) - 1 >= 2 and set(costs) == {(0, 0)}
+    with pytest.raises(RuntimeError, match="paged_attention allocates its output while capturing"):
+        _decode(models, _captured(emu, False, []))
 
 
 @pytest.mark.parametrize("stacked", [False, "block_major"])

@@ -8,11 +8,10 @@ every device-to-host copy the shared host code makes (`transfers`)."""
 import pytest
 import torch
 
-import dflash.ops
 from dflash import LLM, SamplingParams
 from dflash.models.layers import build_metadata
-from dflash.ops import checks, reference
 
+from ascend_emu import Emulated
 from ascend_emu import ops as emu_ops
 from helpers import CharTokenizer, make_tiny_pair
 
@@ -47,28 +46,6 @@ def test_plan_rejects_bad_indices(tables, starts, lengths, message):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return make_tiny_pair(tmp_path_factory.mktemp("plan"), B)[:2]
-
-
-class Emulated:
-    """The ops as an NPU build serves them: the three fused ops by the emulated Ascend launchers,
-    qkv_rope_cache by the PyTorch reference (it has no NPU kernel). `transfers()` counts the
-    launchers' device-to-host copies and the reference's slot checks (one copy each on a
-    device)."""
-
-    def __init__(self, emu, monkeypatch):
-        self.emu, self.slot_checks = emu, 0
-        for name in ("context_kv", "paged_attention", "rejection_sample"):
-            monkeypatch.setattr(dflash.ops, name, getattr(emu, name))
-        monkeypatch.setattr(dflash.ops, "qkv_rope_cache", reference.qkv_rope_cache)
-        check = checks.slot_mapping_values
-
-        def counted(*args):
-            self.slot_checks += 1
-            return check(*args)
-        monkeypatch.setattr(checks, "slot_mapping_values", counted)
-
-    def transfers(self):
-        return self.emu.transfers() + self.slot_checks
 
 
 @pytest.fixture

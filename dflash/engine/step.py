@@ -54,6 +54,15 @@ def greedy_drafts(logits: torch.Tensor, draft_vocab: torch.Tensor | None) -> tor
     return drafts if draft_vocab is None else draft_vocab[drafts]
 
 
+def attention_buffers(target: TargetModel, draft: DFlashDraft, rows: int
+                      ) -> dict[tuple[int, int], torch.Tensor]:
+    """The attention outputs a step over `rows` block rows writes (`AttentionMetadata.
+    attention_out`), allocated once before a graph capture: the step's ops then allocate none."""
+    shapes = {(m.num_heads, m.head_dim) for m in (target.layers[0].attn, draft.cfg.attn)}
+    return {s: torch.empty(rows, *s, dtype=target.dtype, device=target.norm.device)
+            for s in shapes}
+
+
 def decode_step(target: TargetModel, draft: DFlashDraft, tokens: torch.Tensor,
                 meta: AttentionMetadata, target_cache: torch.Tensor, draft_cache: torch.Tensor,
                 draft_head: torch.Tensor | None = None, draft_vocab: torch.Tensor | None = None

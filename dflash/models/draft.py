@@ -133,7 +133,9 @@ class DFlashDraft(nn.Module):
         rows `rows` (int64). The last layer's output projection and MLP then run over those
         rows only (every row's keys and values still feed its attention): a step that verifies
         k drafts a block pays for k rows there, not B."""
-        scale = self.cfg.attn.head_dim**-0.5
+        a = self.cfg.attn
+        scale = a.head_dim**-0.5
+        out = meta.attention_output(a.num_heads, a.head_dim)
         cos_sin = self.cos_sin[meta.positions]
         x = block_embeds
         for i, layer in enumerate(self.layers):
@@ -141,7 +143,7 @@ class DFlashDraft(nn.Module):
                 return ops.paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1],
                                            meta.block_table, meta.context_lens,
                                            meta.cu_query_lens, scale, causal=False,
-                                           check=not meta.checked)
+                                           check=not meta.checked, out=out)
             kv_weight, kv_bias = self.layer_kv(i)
             if self.packed_kv:
                 kv_weight = self.packed_kv[i]

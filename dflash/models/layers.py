@@ -34,6 +34,13 @@ class AttentionMetadata:
     # [T, W] uint8 when the new tokens of each sequence form a tree (paged_attention's tree_mask:
     # a token attends to its context, its ancestors and itself); None: causal
     tree_mask: torch.Tensor | None = None
+    # For graph capture: preallocated attention outputs [T, heads, head_dim] by (heads, head_dim);
+    # every layer of that shape writes into its buffer (paged_attention.out), read by its output
+    # projection before the next layer writes. None: each call allocates its output.
+    attention_out: dict[tuple[int, int], torch.Tensor] | None = None
+
+    def attention_output(self, heads: int, head_dim: int) -> torch.Tensor | None:
+        return None if self.attention_out is None else self.attention_out[(heads, head_dim)]
 
 
 def build_metadata(block_tables: list[list[int]], starts: list[int], lengths: list[int],

@@ -66,7 +66,8 @@ class Attention(nn.Module):
                                      self.num_heads, self.eps, check=not meta.checked)
         out = ops.paged_attention(q, k, v, key_cache, value_cache, meta.block_table,
                                   meta.context_lens, meta.cu_query_lens, self.head_dim**-0.5,
-                                  causal=True, check=not meta.checked, tree_mask=meta.tree_mask)
+                                  causal=True, check=not meta.checked, tree_mask=meta.tree_mask,
+                                  out=meta.attention_output(self.num_heads, self.head_dim))
         out = linear(out.view(x.shape[0], -1), self.o, self.o_bias)
         return out if self.tp is None else self.tp.all_reduce(out)
 
