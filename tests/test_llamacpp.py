@@ -1,8 +1,7 @@
 """llama.cpp as the oracle (optional group: `pytest -m llamacpp`; the first run builds llama.cpp
 from its sdist into the dflash cache, about 20 minutes on 2 cores, through
 bench/bench_llamacpp.py): llama.cpp runs our exported draft, and dflash's greedy decoding follows
-llama.cpp's on the same GGUF files, exactly in float32 and, for Q8_0, by llama.cpp's block
-semantics."""
+llama.cpp's on the same GGUF files: exactly in float32, at 97% of positions or more for Q8_0."""
 
 import shutil
 import sys
@@ -61,10 +60,11 @@ def test_float32_greedy_texts_equal_llama_cpp(llama):
     assert peer.equal(ours, greedy) == f"{len(prompts)}/{len(prompts)}"
 
 
-def test_q8_0_follows_llama_cpp_block_semantics(llama):
-    """Teacher-forced on llama.cpp's greedy Q8_0 texts, the int8 target's argmax agrees almost
-    everywhere (bench/results/llamacpp.json has the rate on held-out questions): texts part
-    only where the two kernels' float32 sums, added in different orders, straddle a near-tie."""
+def test_q8_0_agrees_with_llama_cpp(llama):
+    """Teacher-forced on llama.cpp's greedy Q8_0 texts, the int8 target's argmax agrees at 97%
+    of positions or more (bench/results/llamacpp.json has the rate on held-out questions). This
+    catches a wrong grid or layout, which falls far lower; it cannot tell llama.cpp's activation
+    rounding from a close variant (unquantized activations measured about 98% too)."""
     bin_dir, targets, _, prompts = llama
     greedy = peer.llama_greedy(bin_dir, targets["Q8_0"], prompts, 128, 2)
     with LLM(targets["Q8_0"], None, dtype="float32", quantization="int8") as llm:
