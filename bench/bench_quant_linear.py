@@ -7,6 +7,9 @@ same weights quantized to int8 and int4 (`quant_linear`). t(m) / t(1) is what a 
 m rows costs against a one-token decode, the figure DFlash's speed rests on.
 
     python bench/bench_quant_linear.py [--threads N]   # from the repository root
+
+Under `ATEN_CPU_CAPABILITY=avx2` (or `default`) the kernels of that build run, and the results
+file gets an `_avx2` (`_default`) suffix.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dfl
 
 import torch  # noqa: E402
 from bench_panel_linear import MODEL_SHAPES  # noqa: E402
-from common import threads_option, timeit, write  # noqa: E402
+from common import build_suffix, threads_option, timeit, write  # noqa: E402
 
 from dflash import host  # noqa: E402
 from dflash.models.layers import linear, pack_linear_weight, quantize_linear_weight  # noqa: E402
@@ -46,7 +49,7 @@ def main() -> None:
         bf16 = row[f"{next(iter(formats))} ms"]
         row |= {f"{name} vs bf16 time": row[f"{name} ms"] / bf16 for name in ("int8", "int4")}
         rows.append(row)
-    write("quant_linear", rows, list(rows[0]))
+    write("quant_linear" + build_suffix(), rows, list(rows[0]))
 
 
 if __name__ == "__main__":

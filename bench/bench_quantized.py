@@ -2,6 +2,7 @@
 and DFlash, in one run (engines alternate every round, so drift weighs on all alike).
 
     python bench/bench_quantized.py            # writes bench/results/quantized.json
+    ATEN_CPU_CAPABILITY=avx2 python bench/bench_quantized.py   # the AVX2 kernels: quantized_avx2
 
 Each engine decodes the held-out GSM8K questions one at a time (concurrency 1), greedy; the
 texts of DFlash and target-only decoding of the same weights must be equal (checked). Prefill
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.common import write  # noqa: E402
+from bench.common import build_suffix, write  # noqa: E402
 from dflash import LLM, SamplingParams, assets  # noqa: E402
 from dflash.bench import load_dataset  # noqa: E402
 from dflash.models.layers import prefill_metadata  # noqa: E402
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
                                 f"average ({sum(a == b for a, b in zip(quantized, reference))} "
                                 f"of {len(reference)} texts equal); teacher-forced top-1 "
                                 f"agreement {agree / total:.1%} of {total} positions"})
-    write("quantized", rows, list(rows[0]))
+    write("quantized" + build_suffix(), rows, list(rows[0]))
     return 0
 
 

@@ -4,6 +4,7 @@ measured in the same run, next to this machine's measured copy bandwidth and GEM
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -13,6 +14,13 @@ import torch
 from dflash import host
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def build_suffix() -> str:
+    """`_avx2` or `_default` when ATEN_CPU_CAPABILITY makes this run take the kernels of that
+    build instead of the host's best, else "": results files of such runs carry it."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return f"_{capability}" if capability else ""
 
 
 def timeit(fn, warmup: int = 3, min_time: float = 0.5, min_runs: int = 5) -> float:

@@ -97,12 +97,19 @@ TABLES = [
      "All of SmolLM2-135M's weights per pass (random values) for 1-64 rows of bf16 activations: "
      "bf16 weights as the engine multiplies them on this host against int8 and int4 "
      "`quant_linear`; t(m)/t(1): a verify pass of m rows against a one-token decode."),
+    ("quant_linear_avx2", "`quant_linear`, AVX2 kernels",
+     "ATEN_CPU_CAPABILITY=avx2 python bench/bench_quant_linear.py",
+     "The same with the kernels of the AVX2 build, as on a CPU without AVX-512: int8 and int4 "
+     "through VPMADDUBSW / VPMADDWD."),
     ("quantized", "Quantized weights", "python bench/bench_quantized.py",
      "The bundled pair, concurrency 1, greedy, the first 12 held-out questions, 256 tokens, "
      "activations in bf16; bf16 weights (pair panels) against `quantization=\"int8\"` and "
      "`\"int4\"` (`quant_linear`; int4 holds the shipped Q4_1 weights exactly), target-only and "
      "DFlash (adaptive), the six engines alternating over 2 rounds. tok/s excludes prefill. "
      "'vs bf16': against the bf16 target-only rate."),
+    ("quantized_avx2", "Quantized weights, AVX2 kernels",
+     "ATEN_CPU_CAPABILITY=avx2 python bench/bench_quantized.py",
+     "The same with every kernel of the AVX2 build, as on a CPU without AVX-512."),
     ("llamacpp", "Against llama.cpp", "python bench/bench_llamacpp.py",
      "The bundled pair at each weight format (the target converted from its shipped Q4_1 weights "
      "by `llama-quantize`, the token embedding Q8_0 in the 8- and 4-bit files; the draft by "

@@ -114,6 +114,30 @@ def test_int4_kernel_matches_the_reference_on_exact_inputs(dtype):
     torch.library.opcheck(torch.ops.dflash.quant_linear, (), args)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_largest_integer_products_stay_exact(bits):
+    """Weights at the ends of their range (8 bits: -128, which a GGUF Q8_0 block may hold, and
+    127; 4 bits: code 15) against activations that quantize to +-127 with the weights' signs, so
+    every pair of byte products sums to about +-2 * 128 * 127, the most an int16 holds (AVX2's
+    VPMADDUBSW saturates beyond it): the kernel equals the reference and the float64 product."""
+    n, k = 32, 64
+    sign = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
+    x = torch.stack([sign, -sign, torch.ones(k)]) * 127 / 64   # quantize exactly to +-127
+    scale = torch.full((n, k // 32), 2.0 ** -5)
+    if bits == 8:
+        q = torch.where(sign < 0, -128, 127).expand(n, k).to(torch.int8)
+        (weight, scales), mins = packing.to_quad_panels(q, scale), None
+        deq = q.double() * 2.0 ** -5
+    else:
+        codes = torch.full((n, k), 15, dtype=torch.uint8)
+        low = torch.full((n, k // 32), -0.25)
+        weight, scales, mins = packing.to_nibble_panels(codes, scale, low)
+        deq = torch.full((n, k), 15 * 2.0 ** -5 - 0.25, dtype=torch.float64)
+    got = torch.ops.dflash.quant_linear(x, weight, scales, mins, None)
+    assert torch.equal(got, reference.quant_linear(x, weight, scales, mins, None))
+    assert torch.equal(got.double(), x.double() @ deq.T)
+
+
 def test_4_bit_weights_need_their_minimums():
     args = quant_linear_inputs(bits=4)
     with pytest.raises(ValueError, match="quant_linear: weight has shape \\[3, 8, 16, 4\\], "
@@ -203,8 +227,9 @@ def test_the_bound_catches_a_layout_mistake(mistake, bits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [16, 48, 144, 272])
 def test_rows_do_not_depend_on_the_rows_beside_them(n, dtype, bits):
-    """Every row count takes another block shape (1-2 rows: 8 panels a block; more: 4 panels x 6
-    (8 bits) or 4 (4 bits) rows and their remainders) and n another partial last tile, yet each
+    """Every row count takes another block shape (AVX-512, 1-2 rows: 8 panels a block; more: 4
+    panels x 6 (8 bits) or 4 (4 bits) rows; AVX2, 1-2 rows: 2 panels; more: 1 panel x 4 rows;
+    and their remainders) and n another partial last tile, yet each
     row of a call equals the same row alone, bit for bit: what makes DFlash's verification equal
     decoding."""
     qw = _quantized(_weight(n, 96, seed=n), bits)

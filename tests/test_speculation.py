@@ -3,7 +3,10 @@ the cost model's calibration cache, and dtype="auto"."""
 
 import itertools
 import json
+import os
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +18,7 @@ from dflash.engine import cost_model, loading
 from dflash.engine.cache import BlockAllocator
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Acceptance, Planner, choose_num_drafts, step_rate
+from dflash.ops import registry
 
 from helpers import RandomVerifySchedule, make_tiny_draft, make_tiny_pair, make_tiny_target
 
@@ -270,6 +274,24 @@ def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, mo
     with pytest.warns(UserWarning, match="ignoring the calibration cache file"):
         LLM(target, draft, dtype="float32", max_num_seqs=2)
     assert len(calls) == 3 and json.loads(files[0].read_text())["cost_model"]["target_ms"]
+
+
+def test_the_calibration_key_names_the_kernel_build(tmp_path):
+    """ATEN_CPU_CAPABILITY=avx2 runs the AVX2 build of the kernels on an AVX-512 host: other
+    costs, so not the cost model cached for the host's best build."""
+    if registry.CPU_CAPABILITY == "DEFAULT":
+        pytest.skip("this platform has one build of the kernels")
+    (tmp_path / "target").write_bytes(b"weights")
+    script = ("import json, sys; from dflash.engine import cost_model; "
+              "print(json.dumps(cost_model.cache_key(sys.argv[1], None, 'float32')))")
+    keys = {}
+    for capability in ("avx2", "default"):
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "target")],
+                             env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
+                             capture_output=True, text=True, check=True).stdout
+        keys[capability] = json.loads(out)
+    assert keys["default"]["kernels"] == "DEFAULT"
+    assert keys["avx2"]["kernels"] == "AVX2" and keys["avx2"] != keys["default"]
 
 
 def test_cost_model_interpolates_and_extrapolates():

@@ -17,8 +17,9 @@ beyond the grid: GEMMs are linear in rows once they are compute bound).
 
 The measurements are cached as JSON under `dflash.assets.cache_dir() / "calibration"`, keyed by
 the host (CPU model, family and model numbers, flags, ONEDNN_MAX_CPU_ISA, threads, torch), the
-checkpoints (paths, sizes, modification times), the dtype and the shapes that matter;
-`recalibrate=True` measures again. A cache file that cannot be read is ignored with a warning.
+CPU kernels' build, the checkpoints (paths, sizes, modification times), the dtype and the shapes
+that matter; `recalibrate=True` measures again. A cache file that cannot be read is ignored with
+a warning.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import assets, host
+from ..ops import registry
 
 CONTEXT = 128          # cached tokens per sequence while timing (a short conversation)
 MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is compute bound)
@@ -222,10 +224,12 @@ def _suspects(points: dict[int, float]) -> list[int]:
 
 # ------------------------------------------------------------------------------------ cache
 def cache_key(target, draft, dtype: str, **shape) -> dict:
-    """What a measurement depends on: host, checkpoints (by path, size and mtime), dtype, shapes."""
+    """What a measurement depends on: host, the CPU kernels' build (ATEN_CPU_CAPABILITY may pick
+    a lower one), checkpoints (by path, size and mtime), dtype, shapes."""
     from .. import __version__  # the package is fully imported by the time an engine starts
 
-    return {"format": FORMAT, "host": host.describe(), "dflash": __version__, "dtype": dtype,
+    return {"format": FORMAT, "host": host.describe(), "kernels": registry.CPU_CAPABILITY,
+            "dflash": __version__, "dtype": dtype,
             "target": _identity(target), "draft": None if draft is None else _identity(draft),
             **shape}
 
