@@ -228,8 +228,8 @@ def test_the_bound_catches_a_layout_mistake(mistake, bits):
 @pytest.mark.parametrize("n", [16, 48, 144, 272])
 def test_rows_do_not_depend_on_the_rows_beside_them(n, dtype, bits):
     """Every row count takes another block shape (AVX-512, 1-2 rows: 8 panels a block; more: 4
-    panels x 6 (8 bits) or 4 (4 bits) rows; AVX2, 1-2 rows: 2 panels; more: 1 panel x 4 rows;
-    and their remainders) and n another partial last tile, yet each
+    panels x 6 (8 bits) or 4 (4 bits) rows; AVX2: 1 panel x 1 row for 1-2 rows, x 4 rows for
+    more; and their remainders) and n another partial last tile, yet each
     row of a call equals the same row alone, bit for bit: what makes DFlash's verification equal
     decoding."""
     qw = _quantized(_weight(n, 96, seed=n), bits)
