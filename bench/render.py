@@ -49,6 +49,11 @@ END_TO_END = [
     ("bench_gsm8k-heldout-int4", "GSM8K held-out, 4-bit target", "",
      "The same questions with the target in its shipped GGUF Q4_1 weights (`--quantization "
      "int4`, `quant_linear`); DFlash against target-only decoding of the same weights."),
+    ("bench_gsm8k-heldout-t0.7", "GSM8K held-out, sampled", "",
+     "The same questions sampled at temperature 0.7, request j with seed j: DFlash keeps the "
+     "target's distribution (the chi-square tests of `tests/test_sampling.py` and "
+     "`tests/test_tree_engine.py`), not its texts; sampled requests verify trees with one-hot "
+     "proposals (design.md 4.6)."),
     ("bench_humaneval", "HumanEval, concurrency 32", "--recalibrate",
      "Code, which the GSM8K-trained draft predicts poorly: the engine skips most draft passes."),
 ]
@@ -125,9 +130,10 @@ TABLES = [
      "for a whole run: a chain of k argmax drafts against a best-first tree of N draft nodes. "
      "'texts equal' counts prompts whose tokens equal the first run's."),
     ("noise", "Sampling noise", "python bench/bench_noise.py",
-     "`dflash.sampling.noise.exponential` (counter-based Philox, one exponential race per row) "
-     "against torch's `exponential_` for the same shape; ratio: the first's time over the "
-     "second's."),
+     "`dflash.sampling.noise.exponential` (counter-based Philox through `ops.philox_bits`, one "
+     "exponential race per row), the same from the op's tensor-op reference (what other devices "
+     "run), and torch's `exponential_` for the same shape; ratio: the first's time over the "
+     "last's."),
 ]
 SERVE, VLLM = "bench_serve_gsm8k-heldout", "bench_vllm"
 NOT_RENDERED = {"bench_vllm_runs"}   # every run's counters behind bench_vllm.json's table
@@ -197,6 +203,7 @@ def end_to_end(stem: str, title: str, extra: str, note: str) -> str:
                *(f"tau ({m})" for m in others if m == "chain"),
                f"drafts or tree nodes verified per request-step ({head})",
                "steps without the draft", "texts equal to target-only"]
+    sampled = bool(data["temperature"])
     rows = []
     for r in data["rows"]:
         m = r["modes"][head]
@@ -207,14 +214,16 @@ def end_to_end(stem: str, title: str, extra: str, note: str) -> str:
                *(f"{r['modes'][x]['tau']:.2f}" for x in others if x == "chain"),
                f"{r['mean_verify_length']:.2f}",
                f"{m['draft_skipped_steps']} of {m['decode_steps']}",
-               f"{r['identical']}/{r['prompts']}"]
+               "n/a (sampled)" if sampled else f"{r['identical']}/{r['prompts']}"]
         rows.append(row)
     first = data["rows"][0]
     dtypes = sorted({e["dtype"] for e in data["engines"].values()})
     cost = data["engines"][head]["cost_model"]
     return "\n\n".join([
         f"### {title}",
-        f"{first['target']} + {first['draft']}, greedy, {data['max_tokens']} tokens, "
+        f"{first['target']} + {first['draft']}, "
+        f"{'temperature ' + format(data['temperature'], 'g') if sampled else 'greedy'}, "
+        f"{data['max_tokens']} tokens, "
         f"{first['prompts']} prompts, {first['rounds']} rounds; dtype chosen: "
         f"{', '.join(dtypes)}. {note}",
         f"Host: {host_line(data['host'])} (`bench/results/{stem}.json`, plot: "

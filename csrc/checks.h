@@ -87,6 +87,26 @@ namespace checks {
 constexpr int64_t kAny = -1;
 inline const std::initializer_list<at::ScalarType> kFloats{at::kFloat, at::kBFloat16, at::kHalf};
 
+// ------------------------------------------------------------------------------ philox_bits
+inline void philox_bits_meta(const at::Tensor& seeds, const at::Tensor& offsets, int64_t stream,
+                             int64_t rows, int64_t n) {
+  constexpr const char* op = "philox_bits";
+  check_tensor(op, "seeds", seeds, {at::kLong}, 2, {kAny, 2});
+  check_tensor(op, "offsets", offsets, {at::kLong}, 1, {seeds.size(0)}, seeds.device());
+  DFLASH_CHECK(stream >= 0 && stream < (int64_t{1} << 32), op, "stream must be in [0, 2**32), got ",
+               stream);
+  DFLASH_CHECK(rows >= 0 && n >= 0, op, "rows and n must be non-negative, got ", rows, " and ", n);
+  // counter words 3 and 0 (four elements a word)
+  DFLASH_CHECK(rows <= (int64_t{1} << 32) && n <= (int64_t{1} << 34), op,
+               "rows must be at most 2**32 and n at most 2**34, got ", rows, " and ", n);
+}
+
+inline void philox_bits_values(const int64_t* values, int64_t count, const char* name) {
+  for (int64_t i = 0; i < count; ++i)
+    DFLASH_CHECK(values[i] >= 0 && values[i] < (int64_t{1} << 32), "philox_bits", name,
+                 " must hold 32-bit words in [0, 2**32), got ", values[i]);
+}
+
 // ------------------------------------------------------------------------- rejection_sample
 
 inline void rejection_sample_meta(const at::Tensor& draft_token_ids,

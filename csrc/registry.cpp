@@ -31,6 +31,11 @@ TORCH_LIBRARY(dflash, m) {
       "rejection_sample.out(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor is_greedy, Tensor uniform, Tensor exponential, bool check=True, *, "
       "Tensor(a!) output_token_ids, Tensor(b!) num_accepted) -> ()");
+  // docs/design.md section 3.3: the counter-based noise rejection_sample's inputs are made of
+  // (Philox4x32-10 words; csrc/cpu/philox.cpp, the PyTorch reference on other devices).
+  m.def(
+      "philox_bits(Tensor seeds, Tensor offsets, int stream, int rows, int n, bool check=True) -> "
+      "Tensor");
   // docs/design.md section 3.4: the decoder layer's small ops, each one call instead of several ATen
   // calls (csrc/cpu/layer_ops.cpp; the PyTorch reference serves other devices).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

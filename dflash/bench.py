@@ -159,7 +159,8 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         print(" | ".join(f"{k}={rows[-1][k]}" for k in COLUMNS if k in rows[-1]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "")
+    stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "") + \
+        (f"-t{temperature:g}" if temperature else "")
     info = host.describe()
     (out / f"{stem}.json").write_text(json.dumps(
         {"host": info, "dtype": dtype, "quantization": quantization, "temperature": temperature,

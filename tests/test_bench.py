@@ -40,9 +40,9 @@ def tiny_bench(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "LLM", llm)
     monkeypatch.setattr(bench, "_run", measure)
 
-    def run(concurrencies, **kw):
-        return bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, concurrencies, 12, 0.0,
-                         None, "float32", tmp_path / "out", **kw)
+    def run(concurrencies, temperature=0.0, **kw):
+        return bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, concurrencies, 12,
+                         temperature, None, "float32", tmp_path / "out", **kw)
     return SimpleNamespace(run=run, engines=engines, measured=measured, path=tmp_path)
 
 
@@ -67,6 +67,16 @@ def test_bench_writes_rows_json_and_plot(tiny_bench):
     assert saved["host"]["cpu"] and "avx512_bf16" in saved["host"]
     assert saved["engines"]["adaptive"]["cost_model"]["target_ms"]
     assert (tmp_path / "out" / "bench_q.png").stat().st_size > 1000
+
+
+def test_a_sampled_run_is_saved_beside_the_greedy_one(tiny_bench):
+    modes = ("fixed", "target_only")
+    tiny_bench.run([1], modes=modes)
+    tiny_bench.run([1], temperature=0.7, modes=modes)
+    out = tiny_bench.path / "out"
+    assert json.loads((out / "bench_q.json").read_text())["temperature"] == 0.0
+    assert json.loads((out / "bench_q-t0.7.json").read_text())["temperature"] == 0.7
+    assert (out / "bench_q-t0.7.png").stat().st_size > 1000
 
 
 def test_modes_of_a_concurrency_run_back_to_back_in_alternating_order(tiny_bench):

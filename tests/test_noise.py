@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+import dflash.ops
+from dflash.ops import cases, reference
 from dflash.sampling import noise
 
 ALPHA = 1e-3
@@ -23,7 +25,7 @@ KNOWN_ANSWERS = [
 
 @pytest.mark.parametrize("counter, key, want", KNOWN_ANSWERS)
 def test_philox_matches_the_known_answers(counter, key, want):
-    assert tuple(int(w) for w in noise.philox4x32(counter, key)) == want
+    assert tuple(int(w) for w in reference.philox4x32(counter, key)) == want
 
 
 def test_philox_of_tensors_matches_the_known_answers_and_leaves_its_inputs():
@@ -32,11 +34,67 @@ def test_philox_of_tensors_matches_the_known_answers_and_leaves_its_inputs():
     counter = [torch.tensor([[c[w]] * 5 for c, _, _ in KNOWN_ANSWERS]) for w in range(4)]
     key = [torch.tensor([[k[w]] for _, k, _ in KNOWN_ANSWERS]) for w in range(2)]
     before = [x.clone() for x in counter + key]
-    words = noise.philox4x32(counter, key)
+    words = reference.philox4x32(counter, key)
     want = torch.tensor([w for _, _, w in KNOWN_ANSWERS])
     for w in range(4):
         assert torch.equal(words[w], want[:, w, None].expand(3, 5))
     assert all(torch.equal(x, y) for x, y in zip(counter + key, before))
+
+
+def test_philox_bits_kernel_gives_the_known_answer_and_the_reference_words():
+    """The op (the CPU kernel here) against the published vector of counter 0 under key 0, and
+    word for word against the tensor-op reference over keys and offsets at the 32-bit extremes,
+    a cut last counter, empty shapes and every stream."""
+    zero = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    assert dflash.ops.implementation("philox_bits").startswith("kernel")
+    assert tuple(dflash.ops.philox_bits(*zero, 0, 1, 4)[0, 0].tolist()) == KNOWN_ANSWERS[0][2]
+    for change in ({}, {"stream": 2**32 - 1, "rows": 1, "n": 3}, {"rows": 0}, {"n": 0},
+                   {"sequences": 0}, {"sequences": 1, "rows": 16, "n": 64}):
+        args = cases.philox_bits_inputs(**change)
+        got, want = dflash.ops.philox_bits(**args), reference.philox_bits(**args)
+        assert got.shape == want.shape == (args["seeds"].shape[0], args["rows"], args["n"])
+        assert torch.equal(got, want), change
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch.ops"])
+def test_philox_bits_rejects_bad_keys_and_counters(impl):
+    fn = reference.philox_bits if impl == "reference" else torch.ops.dflash.philox_bits
+    args = cases.philox_bits_inputs()
+    bad = [("seeds has shape", {"seeds": args["seeds"][:, :1]}),
+           ("seeds has dtype", {"seeds": args["seeds"].int()}),
+           ("offsets has shape", {"offsets": args["offsets"][:2]}),
+           ("stream must be in", {"stream": 2**32}),
+           ("rows and n must be non-negative", {"n": -1}),
+           ("n at most 2\\*\\*34, got 2 and 17179869188", {"n": 2**34 + 4}),
+           ("seeds must hold 32-bit words .* got 4294967296",
+            {"seeds": args["seeds"].index_fill(0, torch.tensor([2]), 2**32)}),
+           ("offsets must hold 32-bit words .* got -1",
+            {"offsets": args["offsets"].index_fill(0, torch.tensor([1]), -1)})]
+    for pattern, change in bad:
+        with pytest.raises(ValueError, match=f"^philox_bits: .*{pattern}"):
+            fn(**{**args, **change})
+
+
+def test_philox_bits_check_false_skips_the_value_read_where_it_would_copy():
+    """check=False (what the sampling noise passes, having checked its integers) spares the
+    reference its read of the values (a device-to-host copy on an accelerator); the CPU kernel
+    reads them anyway and still rejects them."""
+    args = {**cases.philox_bits_inputs(), "check": False}
+    args["offsets"] = args["offsets"].index_fill(0, torch.tensor([1]), -1)
+    assert reference.philox_bits(**args).shape == (3, 2, 4099)
+    with pytest.raises(ValueError, match="^philox_bits: offsets must hold 32-bit words"):
+        torch.ops.dflash.philox_bits(**args)
+
+
+def test_philox_bits_has_a_fake_kernel_and_traces():
+    torch.library.opcheck(torch.ops.dflash.philox_bits.default, (), cases.philox_bits_inputs())
+    args = cases.philox_bits_inputs()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def draw(seeds, offsets):
+        return torch.ops.dflash.philox_bits(seeds, offsets, 1, 2, 4099)
+
+    assert torch.equal(draw(args["seeds"], args["offsets"]), reference.philox_bits(**args))
 
 
 def _chi_square_uniform_pvalue(x: torch.Tensor, bins: int = 64) -> float:

@@ -1,5 +1,6 @@
-"""Thin Python wrappers over `torch.ops.dflash.*` (docs/design.md section 3): the three ops and the
-decoder layer's small ops (CPU kernels; the PyTorch reference on other devices).
+"""Thin Python wrappers over `torch.ops.dflash.*` (docs/design.md section 3): the three ops, the
+sampling noise and the decoder layer's small ops (the last two: CPU kernels; the PyTorch
+reference on other devices).
 
 Each op checks its inputs itself (shape, dtype, device, index ranges, probability values) and
 raises ValueError naming the problem, whichever implementation serves it; these wrappers add the
@@ -147,6 +148,29 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
         return torch.ops.dflash.rejection_sample(*args)
     torch.ops.dflash.rejection_sample.out(*args, output_token_ids=out[0], num_accepted=out[1])
     return out
+
+
+def philox_bits(seeds: torch.Tensor, offsets: torch.Tensor, stream: int, rows: int,
+                n: int, check: bool = True) -> torch.Tensor:
+    """Counter-based random words: Philox4x32-10 (Salmon et al., SC 2011), each a pure function
+    of its key and counter, so a seeded request draws the same noise wherever it runs.
+
+    Args:
+        seeds: int64 [S, 2], each sequence's 64-bit key as its low and high 32-bit words.
+        offsets: int64 [S] in [0, 2**32), each sequence's counter word 1 (the engine: the
+            position of the first token the call decides).
+        stream: counter word 2, in [0, 2**32) (which use the noise is for).
+        rows, n: the output's last two sizes; counter word 3 is the row.
+        check: check that every seed word and offset is in [0, 2**32) (a ValueError names the
+            first that is not). False, for a caller that built them from checked integers (the
+            sampling noise), skips that read of the values on other devices; the CPU kernel reads
+            them anyway and always checks them.
+
+    Returns:
+        int64 [S, rows, n] of 32-bit words: element e of row j of sequence i is word e % 4 of the
+        output for counter (e // 4, offsets[i], stream, j) under key (seeds[i, 0], seeds[i, 1]).
+    """
+    return torch.ops.dflash.philox_bits(seeds, offsets, stream, rows, n, check)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -132,6 +132,17 @@ def tree_mask(parents: list[list[int]], width: int | None = None) -> torch.Tenso
     return (bits << torch.arange(8)).sum(-1).to(torch.uint8)
 
 
+def philox_bits_inputs(sequences=3, stream=1, rows=2, n=4099):
+    """Keys and offsets at the words' extremes (0 and 2**32 - 1) and between; n not a multiple of
+    4, so the last counter is cut."""
+    g = torch.Generator().manual_seed(5)
+    seeds = torch.randint(0, 2**32, (sequences, 2), generator=g)
+    offsets = torch.randint(0, 2**32, (sequences,), generator=g)
+    seeds[:1], offsets[:1] = 0, 0
+    seeds[1:2], offsets[1:2] = 2**32 - 1, 2**32 - 1
+    return {"seeds": seeds, "offsets": offsets, "stream": stream, "rows": rows, "n": n}
+
+
 def rejection_sample_inputs(bs=4, k=3, v=11, dense=True, greedy_every=2, seed=0,
                             peaked=True, draft_noise=1.0) -> dict:
     """Target/draft distributions where drafts are often, but not always, accepted.

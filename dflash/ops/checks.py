@@ -53,6 +53,31 @@ def check_tensor(op: str, name: str, t, dtypes, dim: int, shape: Sequence[int | 
 
 
 # ---------------------------------------------------------------------------------------------
+# philox_bits
+# ---------------------------------------------------------------------------------------------
+
+def philox_bits_meta(seeds, offsets, stream, rows, n) -> None:
+    """seeds int64 [S, 2] (a 64-bit seed's low and high 32-bit words), offsets int64 [S];
+    stream in [0, 2**32), rows and n non-negative."""
+    op = "philox_bits"
+    check_tensor(op, "seeds", seeds, torch.int64, 2, (None, 2))
+    check_tensor(op, "offsets", offsets, torch.int64, 1, (seeds.shape[0],), seeds.device)
+    require(0 <= stream < 2**32, op, f"stream must be in [0, 2**32), got {stream}")
+    require(rows >= 0 and n >= 0, op, f"rows and n must be non-negative, got {rows} and {n}")
+    require(rows <= 2**32 and n <= 2**34, op,   # counter words 3 and 0 (four elements a word)
+            f"rows must be at most 2**32 and n at most 2**34, got {rows} and {n}")
+
+
+def philox_bits_values(seeds, offsets) -> None:
+    """Every seed word and offset is a 32-bit word (reads the values)."""
+    op = "philox_bits"
+    for name, t in (("seeds", seeds), ("offsets", offsets)):
+        bad = t[(t < 0) | (t >= 2**32)]
+        if bad.numel():
+            fail(op, f"{name} must hold 32-bit words in [0, 2**32), got {int(bad[0])}")
+
+
+# ---------------------------------------------------------------------------------------------
 # context_kv
 # ---------------------------------------------------------------------------------------------
 

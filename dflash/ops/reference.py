@@ -1,6 +1,6 @@
 """Pure-PyTorch reference implementations of the dflash operators (docs/design.md section 3): the
-three of sections 3.1-3.3 and the decoder layer's small ops (rms_norm, add_rms_norm, silu_and_mul,
-rope, qkv_rope_cache, panel_linear).
+three of sections 3.1-3.3, the sampling noise's `philox_bits` and the decoder layer's small ops
+(rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache, panel_linear, quant_linear).
 
 This module is the executable specification: every kernel (C++ CPU, Ascend C under emulation, NPU)
 is tested against it. It is written to be obviously right, not fast: explicit per-sequence loops,
@@ -14,6 +14,8 @@ Precision contract shared by all implementations:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -204,6 +206,68 @@ def rejection_sample_out(draft_token_ids, draft_probs, target_probs, is_greedy, 
 # ---------------------------------------------------------------------------------------------
 # The decoder layer's small ops: float32 math, one rounding to x's dtype per output.
 # ---------------------------------------------------------------------------------------------
+
+# philox_bits: Philox4x32-10 in plain tensor ops, which every device has. The 32-bit words live
+# in int64 tensors and every product is split so that no intermediate exceeds 2**63: int64
+# overflow is not defined behaviour for every backend.
+
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57          # Philox4x32 multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments
+_MASK32 = 0xFFFFFFFF
+_ROUNDS = 10
+
+
+def _mulhilo_(a: torch.Tensor, m: int, t: torch.Tensor, hi: torch.Tensor) -> None:
+    """a * m for 32-bit words a and a 32-bit constant m: the low words replace a, the high words
+    go to hi (t: scratch). With m = mh * 2**16 + ml, a * m = p * 2**16 + t for p = a * mh and
+    t = a * ml, both below 2**48, so hi = (p + (t >> 16)) >> 16 and
+    lo = ((p mod 2**16) * 2**16 + t) mod 2**32."""
+    torch.mul(a, m & 0xFFFF, out=t)
+    a.mul_(m >> 16)
+    torch.bitwise_right_shift(t, 16, out=hi).add_(a).bitwise_right_shift_(16)
+    a.bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(t).bitwise_and_(_MASK32)
+
+
+def philox4x32(counter: Sequence[torch.Tensor | int], key: Sequence[torch.Tensor | int]
+               ) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 of the 32-bit words counter (c0, c1, c2, c3) under key (k0, k1): four
+    32-bit words (int64 tensors of the broadcast shape of the inputs).
+
+    Every round works in place on seven buffers of that shape: the four words, two for the high
+    products and one scratch; the buffers of the words a round replaces take the next round's
+    high products. (Fresh tensors per operation would cost a page-faulting allocation each.)"""
+    counter = [torch.as_tensor(c, dtype=torch.int64) for c in counter]
+    k0, k1 = (torch.as_tensor(k, dtype=torch.int64) for k in key)
+    shape = torch.broadcast_shapes(*(c.shape for c in counter), k0.shape, k1.shape)
+    c0, c1, c2, c3 = (c.expand(shape).clone(memory_format=torch.contiguous_format)
+                      for c in counter)
+    t, hi0, hi2 = (torch.empty_like(c0) for _ in range(3))
+    for _ in range(_ROUNDS):
+        _mulhilo_(c0, _M0, t, hi0)
+        _mulhilo_(c2, _M1, t, hi2)
+        # c0' = hi(c2 * M1) ^ c1 ^ k0, c1' = lo(c2 * M1), c2' = hi(c0 * M0) ^ c3 ^ k1,
+        # c3' = lo(c0 * M0)
+        hi2.bitwise_xor_(c1).bitwise_xor_(k0)
+        hi0.bitwise_xor_(c3).bitwise_xor_(k1)
+        c0, c1, c2, c3, hi0, hi2 = hi2, c2, hi0, c0, c1, c3
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def philox_bits(seeds, offsets, stream, rows, n, check=True):
+    """Words [S, rows, n] (int64): element e of row j for sequence i is word e % 4 of
+    Philox4x32-10 of counter (e // 4, offsets[i], stream, j) under key (seeds[i, 0],
+    seeds[i, 1])."""
+    checks.philox_bits_meta(seeds, offsets, stream, rows, n)
+    if check:   # reads the values: a device-to-host copy on an accelerator
+        checks.philox_bits_values(seeds, offsets)
+    device = seeds.device
+    row = torch.arange(rows, device=device).view(1, -1, 1)
+    element = torch.arange(-(-n // 4), device=device).view(1, 1, -1)
+    lanes = philox4x32((element, offsets.view(-1, 1, 1), stream, row),
+                       (seeds[:, 0].view(-1, 1, 1), seeds[:, 1].view(-1, 1, 1)))
+    return torch.stack(lanes, -1).flatten(-2)[..., :n].contiguous()
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., H] (weight [H], any float dtype)."""

@@ -6,7 +6,8 @@
 * Every op gets a fake (meta) implementation here, so `torch.compile` and graph capture can
   trace it.
 * An op without a compiled CPU kernel falls back to its PyTorch reference for the CPU key. The
-  layer ops (LAYER_OPS) have CPU kernels only; their reference serves every other device.
+  layer ops and philox_bits (CPU_ONLY_OPS) have CPU kernels only; their reference serves every
+  other device.
 * When the NPU build (`setup.py --device npu`) produced `dflash._npu_kernels`, torch_npu is
   imported and that library registers the PrivateUse1 (NPU) kernels. A CPU-only install never
   imports torch_npu.
@@ -26,7 +27,9 @@ from .packing import PANEL
 
 LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache",
              "panel_linear", "quant_linear")
-OPS = ("context_kv", "paged_attention", "rejection_sample", *LAYER_OPS)
+OPS = ("context_kv", "paged_attention", "rejection_sample", "philox_bits", *LAYER_OPS)
+# ops with CPU kernels only: their reference serves every other device
+CPU_ONLY_OPS = ("philox_bits", *LAYER_OPS)
 # ops with an overload into caller-owned outputs (`.out`), for graph capture
 OUT_OPS = ("paged_attention", "rejection_sample")
 _CAPABILITY_ORDER = ("AVX512", "AVX2", "DEFAULT")
@@ -78,7 +81,7 @@ for _op in OUT_OPS:
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash::{_op}.out", "CPU"):
         torch.library.register_kernel(f"dflash::{_op}.out", "cpu", getattr(reference, f"{_op}_out"))
         _REFERENCE_FALLBACKS["CPU"].add(f"{_op}.out")
-for _op in LAYER_OPS:   # every device without its own kernel (CompositeExplicitAutograd)
+for _op in CPU_ONLY_OPS:   # every device without its own kernel (CompositeExplicitAutograd)
     torch.library.register_kernel(f"dflash::{_op}", None, getattr(reference, _op))
 
 
@@ -123,6 +126,12 @@ def _rejection_sample_out_fake(draft_token_ids, draft_probs, target_probs, is_gr
     checks.rejection_sample_meta(draft_token_ids, draft_probs, target_probs, is_greedy, uniform,
                                  exponential)
     checks.rejection_sample_out(draft_token_ids, output_token_ids, num_accepted)
+
+
+@torch.library.register_fake("dflash::philox_bits")
+def _philox_bits_fake(seeds, offsets, stream, rows, n, check=True):
+    checks.philox_bits_meta(seeds, offsets, stream, rows, n)
+    return seeds.new_empty(seeds.shape[0], rows, n)
 
 
 @torch.library.register_fake("dflash::rms_norm")
