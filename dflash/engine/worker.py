@@ -372,7 +372,9 @@ class Worker:
         """Per request, the tokens it emits and its accepted path (node indices from the root),
         from the target's logits at every node (rows of the trees one after another): greedy
         along the argmax, sampled by `_accept_sampled`."""
-        target_ids = sampling.first_argmax(logits).tolist()   # the sync
+        # the sync; sampled requests read their logits only through target_probs
+        target_ids = sampling.first_argmax(logits).tolist() \
+            if any(r.params.is_greedy for r in requests) else []
         emitted, paths, start = [], [], 0
         for r, t in zip(requests, trees):
             if r.params.is_greedy:
@@ -393,17 +395,17 @@ class Worker:
         sum; on rejection x leaves the residual), and the token after the path is drawn from the
         last residual. Coins are keyed by (seed, position, the child's rank); the race by (seed,
         position), so a seeded request reproduces itself."""
-        probs = sampling.target_probs(logits[None], [r.params])[0]
         offset = self._offsets([r])[0]
         deepest = max(t.depths)
         coins = noise.uniform([r.seed] * (deepest + 1), [offset + d for d in range(deepest + 1)],
-                              noise.TREE_COINS, 1, TREE_TOP_K, probs.device)[:, 0].tolist()
+                              noise.TREE_COINS, 1, TREE_TOP_K, logits.device)[:, 0].tolist()
         children: list[list[int]] = [[] for _ in range(len(t))]
         for node in range(1, len(t)):
             children[t.parents[node]].append(node)
         path = [0]
-        while True:
-            node, residual = path[-1], probs[path[-1]].clone()
+        while True:   # the target distribution of the nodes on the path only
+            node = path[-1]
+            residual = sampling.target_probs(logits[node][None, None], [r.params])[0, 0]
             total = float(residual.sum())
             for rank, child in enumerate(children[node]):
                 x = t.tokens[child]
