@@ -43,7 +43,7 @@ END_TO_END = [
     ("bench_gsm8k-heldout", "GSM8K held-out, the host's own ISA", "--recalibrate",
      "The 20 questions are the last 20 of `data/gsm8k/train.jsonl`, which the bundled draft never "
      "trained on."),
-    ("bench_gsm8k-heldout-no-bf16", "GSM8K held-out, bf16 units hidden", "--recalibrate",
+    ("bench_gsm8k-heldout-avx512_core", "GSM8K held-out, bf16 units hidden", "--recalibrate",
      "The same questions with oneDNN limited to AVX512_CORE: a CPU without bf16 dot-product or "
      "matrix units, seen on the same host (`host.bf16_gemm` then takes column panels)."),
     ("bench_gsm8k-heldout-int4", "GSM8K held-out, 4-bit target", "",

@@ -159,9 +159,11 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         print(" | ".join(f"{k}={rows[-1][k]}" for k in COLUMNS if k in rows[-1]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "") + \
-        (f"-t{temperature:g}" if temperature else "")
     info = host.describe()
+    # runs that differ in what the file cannot tell by its name get their own file
+    isa = info.get("onednn_max_cpu_isa")
+    stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "") + \
+        (f"-t{temperature:g}" if temperature else "") + (f"-{isa.lower()}" if isa else "")
     (out / f"{stem}.json").write_text(json.dumps(
         {"host": info, "dtype": dtype, "quantization": quantization, "temperature": temperature,
          "max_tokens": max_tokens, "block_size": block_size, "engines": engines, "rows": rows},

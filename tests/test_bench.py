@@ -79,6 +79,14 @@ def test_a_sampled_run_is_saved_beside_the_greedy_one(tiny_bench):
     assert (out / "bench_q-t0.7.png").stat().st_size > 1000
 
 
+def test_a_run_under_an_isa_limit_is_saved_under_its_name(tiny_bench, monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    tiny_bench.run([1], modes=("fixed", "target_only"))
+    saved = json.loads((tiny_bench.path / "out" / "bench_q-avx512_core.json").read_text())
+    assert saved["host"]["onednn_max_cpu_isa"] == "AVX512_CORE"
+    assert not (tiny_bench.path / "out" / "bench_q.json").exists()
+
+
 def test_modes_of_a_concurrency_run_back_to_back_in_alternating_order(tiny_bench):
     [row] = tiny_bench.run([1], rounds=3, modes=("fixed", "target_only"))
     draft = tiny_bench.path / "d"
