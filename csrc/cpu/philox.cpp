@@ -2,9 +2,9 @@
 // turns into rejection_sample's coins and races.
 //
 // Why it exists: the PyTorch reference computes Philox4x32-10 in about 240 tensor operations
-// (32-bit products split so that int64 never overflows on any backend), which for one race over
-// a 49152-token vocabulary took about 1 ms per sampled step on CPU; here it is one pass of 64-bit
-// integer arithmetic per counter.
+// (32-bit products split so that int64 never overflows on any backend): about 1.5 ms on CPU for
+// one race over a 49152-token vocabulary, and a sampled step draws two; here it is one pass of
+// 64-bit integer arithmetic per counter (bench/bench_noise.py).
 #include "cpu/common.h"
 
 namespace dflash::cpu::philox {

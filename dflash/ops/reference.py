@@ -204,12 +204,10 @@ def rejection_sample_out(draft_token_ids, draft_probs, target_probs, is_greedy, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The decoder layer's small ops: float32 math, one rounding to x's dtype per output.
-# ---------------------------------------------------------------------------------------------
-
 # philox_bits: Philox4x32-10 in plain tensor ops, which every device has. The 32-bit words live
 # in int64 tensors and every product is split so that no intermediate exceeds 2**63: int64
 # overflow is not defined behaviour for every backend.
+# ---------------------------------------------------------------------------------------------
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57          # Philox4x32 multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85          # Weyl key increments
@@ -268,6 +266,10 @@ def philox_bits(seeds, offsets, stream, rows, n, check=True):
                        (seeds[:, 0].view(-1, 1, 1), seeds[:, 1].view(-1, 1, 1)))
     return torch.stack(lanes, -1).flatten(-2)[..., :n].contiguous()
 
+
+# ---------------------------------------------------------------------------------------------
+# The decoder layer's small ops: float32 math, one rounding to x's dtype per output.
+# ---------------------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., H] (weight [H], any float dtype)."""
