@@ -18,6 +18,7 @@ from dflash.engine import cost_model, loading
 from dflash.engine.cache import BlockAllocator
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Acceptance, Planner, choose_num_drafts, step_rate
+from dflash.models.layers import build_metadata
 from dflash.ops import registry
 
 from helpers import RandomVerifySchedule, make_tiny_draft, make_tiny_pair, make_tiny_target
@@ -407,9 +408,11 @@ def test_held_back_draft_context_gives_the_draft_what_an_immediate_write_gives(
     assert max(flushed) >= 2   # rows were held back and written late
 
 
-def test_the_draft_head_runs_only_for_drafts_that_can_be_verified(models):
-    """A step whose sequences verify at most k drafts proposes k per sequence: the first k of
-    the full block's drafts (float32), whatever the draft's head does with the rest."""
+def test_a_step_drafts_from_a_block_cut_to_the_drafts_it_can_verify(models):
+    """A step whose sequences verify at most k drafts runs the draft over [pending, MASK * k] at
+    positions n .. n+k, and proposes the argmax of its k mask rows: what the draft model computes
+    for that (k + 1)-token block, every row through the head (float32). The full block still
+    gives B-1 drafts."""
     target, draft = models
     llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation="fixed")
     requests = [llm.engine.processor.request(p, SamplingParams()) for p in PROMPTS[:3]]
@@ -417,7 +420,21 @@ def test_the_draft_head_runs_only_for_drafts_that_can_be_verified(models):
         llm.allocator.grow(r.block_table, len(r.prompt_ids) + 2 * B)
     for r, t in zip(requests, llm.worker.prefill(requests)):
         r.append([t])
-    worker = llm.worker
+    worker, k = llm.worker, 2
+    assert worker.draft_head is None   # the head below is the target's
     full, _ = worker.draft_forward(worker.block_inputs(requests))
-    few, _ = worker.draft_forward(worker.block_inputs(requests, 2))
-    assert full.shape == (3, B - 1) and torch.equal(few, full[:, :2])
+    assert full.shape == (3, B - 1)
+    inputs = worker.block_inputs(requests, k)
+    mask = worker.mask_token_id
+    assert inputs.tokens.view(3, -1).tolist() == [[r.output_ids[-1]] + [mask] * k
+                                                  for r in requests]
+    assert inputs.meta.positions.view(3, -1).tolist() == [
+        list(range(r.num_cached, r.num_cached + k + 1)) for r in requests]
+    few, _ = worker.draft_forward(inputs)
+    meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
+                          [k + 1] * 3, llm.allocator.block_size)
+    with torch.inference_mode():
+        hidden = worker.draft(worker.target.embed_tokens(inputs.tokens), meta,
+                              worker.draft_cache)
+        expected = worker.target.logits(hidden).view(3, k + 1, -1)[:, 1:].argmax(-1)
+    assert torch.equal(few, expected)

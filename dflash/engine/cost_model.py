@@ -7,13 +7,14 @@ plus its verified drafts) and drafts for d of them is modelled as
 
 `decode` is one pass with one row per sequence (the step with speculation off), `target` one
 verify pass with the rows packed B to a sequence (what verifying drafts adds is priced by its
-slope), `draft` the block forward of the drafting sequences plus the draft's lm_head over the
-k rows of each whose drafts can be verified (k the longest verify of the step; 0 when none
-drafts). The draft is timed at k = 1 and k = B-1 and priced linearly in k between. They are
-timed on small grids with the engine's own worker and caches (`Worker.measure_costs`), all
-points in turn (`fastest_each`); points that look preempted (slower than a larger point) are
-timed again, and values in between are interpolated linearly (extrapolated from the last two
-beyond the grid: GEMMs are linear in rows once they are compute bound).
+slope), `draft` the forward over the drafting sequences' blocks of k + 1 rows (the pending
+token and k masks) plus the draft's lm_head over the k mask rows (k the longest verify of the
+step; 0 when none drafts). The draft is timed at k = 1 and k = B-1 and priced linearly in k
+between. They are timed on small grids with the engine's own worker and caches
+(`Worker.measure_costs`), all points in turn (`fastest_each`); points that look preempted (slower
+than a larger point) are timed again, and values in between are interpolated linearly
+(extrapolated from the last two beyond the grid: GEMMs are linear in rows once they are compute
+bound).
 
 The measurements are cached as JSON under `dflash.assets.cache_dir() / "calibration"`, keyed by
 the host (CPU model, family and model numbers, flags, ONEDNN_MAX_CPU_ISA, threads, torch), the
@@ -42,7 +43,7 @@ MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is co
 REPEATS = 5
 SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
 RETRIES = 2              # ... at most this many times (the fastest time is kept)
-FORMAT = 6               # of the cache files: files of another format are not read
+FORMAT = 7               # of the cache files: files of another format are not read
 
 
 @dataclass
@@ -72,7 +73,7 @@ class CostModel:
 
     def draft(self, sequences, drafts=None):
         """One draft step of `sequences` sequences making `drafts` drafts each (default B-1):
-        the forward over their blocks does not depend on `drafts`, the lm_head rows do."""
+        blocks of drafts + 1 rows, drafts of them through the lm_head."""
         if not self.draft_s:
             return np.zeros(np.shape(sequences))
         cost = self._interpolate("draft_s", sequences)

@@ -36,10 +36,10 @@ def draft_logits(target: TargetModel, draft: DFlashDraft, draft_head: torch.Tens
                  num_drafts: int) -> torch.Tensor:
     """The draft's logits [Bs, K, V'] for the first K = num_drafts masks of each block.
 
-    tokens: [Bs, B] blocks [pending, MASK * (B-1)]; meta: their positions n .. n+B-1. The forward
-    runs over the whole block (its attention is non-causal); only the K rows whose drafts can be
-    verified go through the draft's last MLP and the lm_head: the target's (V' = V), or
-    `draft_head`, the rows of a draft vocabulary (V' = its size)."""
+    tokens: [Bs, b] blocks [pending, MASK * (b-1)] (b <= B, K <= b-1); meta: their positions
+    n .. n+b-1. The forward runs over the whole block (its attention is non-causal); only the K
+    rows whose drafts can be verified go through the draft's last MLP and the lm_head: the
+    target's (V' = V), or `draft_head`, the rows of a draft vocabulary (V' = its size)."""
     bs, b = tokens.shape
     rows = (torch.arange(bs, device=tokens.device)[:, None] * b
             + torch.arange(1, num_drafts + 1, device=tokens.device)).flatten()

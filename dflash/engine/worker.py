@@ -2,7 +2,7 @@
 
 A decode step for a batch of sequences, each with `n` cached tokens, a pending last token and a
 verify length k (0..B-1, chosen by the scheduler):
-  block_inputs  block [pending, MASK * (B-1)] at positions n .. n+B-1 for every sequence
+  block_inputs  block [pending, MASK * max(k)] at positions n .. n+max(k) for every sequence
                         with k > 0
   draft_forward      one non-causal draft forward -> max(k) draft tokens per such sequence
   verify          one causal target forward over [pending, first k drafts] of every
@@ -38,10 +38,10 @@ from .tree import Tree, accept_greedy, best_first, reject
 @dataclass
 class StepInputs:
     requests: list[Request]
-    tokens: torch.Tensor          # [Bs * B] block tokens (pending token, then masks)
+    tokens: torch.Tensor          # [Bs * (K + 1)] block tokens (pending token, then K masks)
     meta: AttentionMetadata       # positions / slots / tables shared by draft and target
-    block_size: int
-    num_drafts: int               # the most drafts any of these sequences verifies (<= B-1)
+    block_size: int               # K + 1: the rows of each sequence's block
+    num_drafts: int               # K, the most drafts any of these sequences verifies (<= B-1)
 
 
 @dataclass
@@ -123,23 +123,27 @@ class Worker:
     # --------------------------------------------------------------------------- the step
     def block_inputs(self, requests: list[Request], num_drafts: int | None = None
                              ) -> StepInputs:
-        """The draft's block for each request: [pending, MASK * (B-1)] at its next positions;
-        drafts are made for the first `num_drafts` (default B-1) of the masks."""
-        b = self.block_size
-        tokens = torch.full((len(requests), b), -1 if self.mask_token_id is None
+        """The draft's block for each request: [pending, MASK * K] at its next positions, one
+        draft per mask (K = num_drafts, default B-1).
+
+        A step that can verify K < B-1 drafts cuts the block to those K masks: the masks after
+        them only feed the draft's non-causal attention (a mask token carries its position and
+        nothing else). Without them the deeper drafts are accepted slightly less often, but the
+        draft forward's rows, its cost at larger batches, shrink with K (design.md 4.2)."""
+        k = self.block_size - 1 if num_drafts is None else num_drafts
+        tokens = torch.full((len(requests), k + 1), -1 if self.mask_token_id is None
                             else self.mask_token_id, device=self.device)
         tokens[:, 0] = self._pending(requests)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
-                              [b] * len(requests), self.kv_block_size, self.device,
+                              [k + 1] * len(requests), self.kv_block_size, self.device,
                               self.num_kv_blocks)
-        return StepInputs(requests, tokens.flatten(), meta, b,
-                          b - 1 if num_drafts is None else num_drafts)
+        return StepInputs(requests, tokens.flatten(), meta, k + 1, k)
 
     @torch.inference_mode()
     def draft_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [Bs, K] for K = inputs.num_drafts (argmax, or sampled with dense
-        probabilities [Bs, K, V]). The draft forward runs over the whole block (its attention is
-        non-causal); only the K rows whose drafts can be verified go through the lm_head."""
+        probabilities [Bs, K, V]), from one draft forward over the K + 1 rows of each block (its
+        attention is non-causal), the K mask rows through the lm_head."""
         bs, k = len(inputs.requests), inputs.num_drafts
         logits = draft_logits(self.target, self.draft, self.draft_head,
                               inputs.tokens.view(bs, inputs.block_size), inputs.meta,
@@ -340,19 +344,19 @@ class Worker:
         """Each request's tree: the root (its pending token) alone (depth 0), or the best-first
         tree over one draft pass's top candidates at the first `depth` block positions, of the
         size `choose(candidates)` gives (candidates: per drafting request, the tree of its
-        first `size` candidate nodes in best-first order). Only the deepest tree's positions go
-        through the draft's lm_head and top-k."""
-        b = self.block_size
+        first `size` candidate nodes in best-first order). The draft's block reaches as deep as
+        the deepest tree may (`block_inputs`), and only its positions go through the draft's
+        lm_head and top-k."""
         trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
         chosen = [i for i, d in enumerate(depths) if d > 0]
         if not chosen:
             return trees
         reqs = [requests[i] for i in chosen]
         self._flush_context(reqs)
-        inputs = self.block_inputs(reqs)
+        inputs = self.block_inputs(reqs, max(depths[i] for i in chosen))
         logits = draft_logits(self.target, self.draft, self.draft_head,
-                              inputs.tokens.view(len(reqs), b), inputs.meta, self.draft_cache,
-                              max(depths[i] for i in chosen))
+                              inputs.tokens.view(len(reqs), inputs.block_size), inputs.meta,
+                              self.draft_cache, inputs.num_drafts)
         probs, ids = torch.softmax(logits.float(), -1).topk(
             min(TREE_TOP_K, logits.shape[-1]), dim=-1)
         if self.draft_vocab is not None:
