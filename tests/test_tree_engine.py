@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import LLM, SamplingParams
+from dflash import LLM, SamplingParams, sampling
 from dflash.engine import tree
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import TREE_MARGIN, Planner
@@ -76,6 +76,18 @@ def test_greedy_acceptance_follows_the_target_s_argmax():
     assert tree.accept_greedy(t, [20, 99, 21, 99, 99]) == [0, 2, 4]
     assert tree.accept_greedy(t, [10, 11, 0, 5, 0]) == [0, 1, 3]
     assert tree.accept_greedy(t, [30, 0, 0, 0, 0]) == [0]
+
+
+def test_a_sampled_walk_tries_children_in_order_on_the_residual():
+    # root -> a(10), b(20); a -> c(11); masses: a 0.4 and b 0.3 in the root's, c 0.5 in a's
+    t = tree.Tree([0, 10, 20, 11], [-1, 0, 0, 1], [0, 1, 1, 2], [1, .5, .3, .2])
+    totals, masses = [1.0, 1.0, 1.0, 1.0], [0.4, 0.3, 0.5]
+    # 0.5 * 1.0 >= 0.4 rejects a; then 0.7 * (1.0 - 0.4) >= 0.3 rejects b: the root's residual
+    assert tree.walk_sampled(t, totals, masses, [[0.5, 0.7], [0.0]]) == ([0], [10, 20])
+    # a rejected, then 0.4 * 0.6 < 0.3 accepts b, a leaf
+    assert tree.walk_sampled(t, totals, masses, [[0.5, 0.4], [0.0]]) == ([0, 2], [])
+    # 0.3 accepts a; at a, 0.6 >= 0.5 rejects c
+    assert tree.walk_sampled(t, totals, masses, [[0.3, 0.0], [0.6]]) == ([0, 1], [11])
 
 
 def test_the_chooser_is_the_brute_force_optimum():
@@ -256,6 +268,24 @@ def test_chi_square_catches_a_residual_that_keeps_rejected_tokens(small_vocabula
     pvalue, _ = second_token_pvalue(small_vocabulary, 3000, setup=_bushy_trees,
                                     speculation="adaptive")
     assert pvalue < 1e-3
+
+
+def test_sampled_roots_alone_draw_what_a_plain_sampled_step_draws(models):
+    """A step can verify trees of their roots alone (the chooser took no node): sampled requests
+    then emit the token a target-only step draws from the same distribution, seed and position
+    (`sampling.sample`'s race), and their paths are the roots."""
+    llm = LLM(*models, dtype="float32", max_num_seqs=4, speculation="adaptive")
+    params = [SamplingParams(temperature=t, seed=s) for t, s in ((0.8, 3), (1.0, 4), (0.5, 5))]
+    requests = [llm.engine.processor.request(p, sp) for p, sp in zip(PROMPTS, params)]
+    for r, n in zip(requests, (5, 9, 2)):
+        r.num_cached, r.output_ids = n, [7]
+    trees = [tree.Tree([7], [-1], [0], [1.0]) for _ in requests]
+    logits = torch.randn(3, llm.target.cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+    emitted, paths = llm.worker.accept_trees(requests, trees, logits)
+    probs = sampling.target_probs(logits[:, None], params)[:, 0]
+    drawn = sampling.sample(probs, torch.zeros(3, dtype=torch.bool), [3, 4, 5], [6, 10, 3])
+    assert paths == [[0]] * 3
+    assert emitted == [[t] for t in drawn.tolist()]
 
 
 def test_greedy_requests_in_a_batch_with_sampled_ones_stay_exact(models, expected):

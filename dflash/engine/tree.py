@@ -90,6 +90,32 @@ def accept_greedy(tree: Tree, target_ids: list[int]) -> list[int]:
     return path
 
 
+def walk_sampled(tree: Tree, totals: list[float], masses: list[float],
+                 coins: list[list[float]]) -> tuple[list[int], list[int]]:
+    """A sampled request's accepted path through `tree` (node indices from the root) and the
+    tokens rejected at its last node (design.md 4.6): at each node, its children in the draft's
+    order are one-hot proposals on the residual; child x is accepted when coin * sum(residual) <
+    residual(x), else x leaves the residual. totals[n]: the sum of node n's target distribution;
+    masses[n - 1]: node n's mass in its parent's (a rejection zeroes another token than any
+    sibling's, so only the sums move); coins[d][k]: the coin of the child of rank k at depth d."""
+    children: list[list[int]] = [[] for _ in range(len(tree))]
+    for node in range(1, len(tree)):
+        children[tree.parents[node]].append(node)
+    path = [0]
+    while True:
+        node, refused = path[-1], []
+        total = totals[node]
+        for rank, child in enumerate(children[node]):
+            mass = masses[child - 1]
+            if coins[tree.depths[node]][rank] * total < mass:
+                path.append(child)
+                break
+            refused.append(tree.tokens[child])
+            total -= mass
+        else:
+            return path, refused
+
+
 def reject(residual, token: int):
     """The residual after one-hot proposal `token` was rejected: its mass removed (the rest is
     renormalised where it is read)."""

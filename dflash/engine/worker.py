@@ -32,7 +32,7 @@ from ..sampling import noise
 from .cost_model import fastest_each
 from .request import Request
 from .step import decode_step, draft_logits, greedy_drafts
-from .tree import Tree, accept_greedy, best_first, reject
+from .tree import Tree, accept_greedy, best_first, reject, walk_sampled
 
 
 @dataclass
@@ -375,54 +375,78 @@ class Worker:
                      ) -> tuple[list[list[int]], list[list[int]]]:
         """Per request, the tokens it emits and its accepted path (node indices from the root),
         from the target's logits at every node (rows of the trees one after another): greedy
-        along the argmax, sampled by `_accept_sampled`."""
+        along the argmax, sampled by `_accept_sampled`, all sampled requests at once."""
+        starts = [0]
+        for t in trees:
+            starts.append(starts[-1] + len(t))
         # the sync; sampled requests read their logits only through target_probs
         target_ids = sampling.first_argmax(logits).tolist() \
             if any(r.params.is_greedy for r in requests) else []
-        emitted, paths, start = [], [], 0
-        for r, t in zip(requests, trees):
+        sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        walks = dict(zip(sampled, self._accept_sampled(
+            [requests[i] for i in sampled], [trees[i] for i in sampled],
+            logits, [starts[i] for i in sampled])))
+        emitted, paths = [], []
+        for i, (r, t) in enumerate(zip(requests, trees)):
             if r.params.is_greedy:
-                path = accept_greedy(t, target_ids[start:start + len(t)])
-                bonus = target_ids[start + path[-1]]
+                path = accept_greedy(t, target_ids[starts[i]:starts[i + 1]])
+                bonus = target_ids[starts[i] + path[-1]]
             else:
-                path, bonus = self._accept_sampled(r, t, logits[start:start + len(t)])
+                path, bonus = walks[i]
             emitted.append([t.tokens[n] for n in path[1:]] + [bonus])
             paths.append(path)
-            start += len(t)
         return emitted, paths
 
-    def _accept_sampled(self, r: Request, t: Tree, logits: torch.Tensor
-                        ) -> tuple[list[int], int]:
-        """A sampled request's accepted path through its tree and the token after it, keeping
-        the target distribution (design.md 4.6): at each node, its children in the draft's order
-        are one-hot proposals on the residual (child x accepted with probability residual(x) /
-        sum; on rejection x leaves the residual), and the token after the path is drawn from the
-        last residual. Coins are keyed by (seed, position, the child's rank); the race by (seed,
-        position), so a seeded request reproduces itself."""
-        offset = self._offsets([r])[0]
-        deepest = max(t.depths)
-        coins = noise.uniform([r.seed] * (deepest + 1), [offset + d for d in range(deepest + 1)],
+    def _accept_sampled(self, requests: list[Request], trees: list[Tree], logits: torch.Tensor,
+                        starts: list[int]) -> list[tuple[list[int], int]]:
+        """Each sampled request's accepted path through its tree (whose nodes are the logits'
+        rows from its start) and the token after it, keeping the target distribution (design.md
+        4.6): the path by `walk_sampled`, the token after it drawn from the last residual. Coins
+        are keyed by (seed, position, the child's rank); the race by (seed, position), so a
+        seeded request reproduces itself. The walks read values computed once for all the
+        requests, and their last residuals and races are one batched computation."""
+        if not requests:
+            return []
+        first = [0]
+        for t in trees:
+            first.append(first[-1] + len(t))
+        nodes = torch.tensor([s + n for s, t in zip(starts, trees) for n in range(len(t))],
+                             device=logits.device)
+        probs = sampling.target_probs(
+            logits[nodes][:, None], [r.params for r, t in zip(requests, trees) for _ in t.tokens]
+        )[:, 0]
+        totals = probs.sum(-1).tolist()
+        # each child's mass in its parent's distribution (int64 given: the lists are empty when
+        # every tree is its root alone)
+        parents = torch.tensor([f + p for f, t in zip(first, trees) for p in t.parents[1:]],
+                               dtype=torch.int64, device=logits.device)
+        tokens = torch.tensor([x for t in trees for x in t.tokens[1:]], dtype=torch.int64,
+                              device=logits.device)
+        masses = probs[parents, tokens].tolist()
+        offsets = self._offsets(requests)
+        deepest = [max(t.depths) for t in trees]
+        coins = noise.uniform([r.seed for r, d in zip(requests, deepest) for _ in range(d + 1)],
+                              [o + d for o, top in zip(offsets, deepest) for d in range(top + 1)],
                               noise.TREE_COINS, 1, TREE_TOP_K, logits.device)[:, 0].tolist()
-        children: list[list[int]] = [[] for _ in range(len(t))]
-        for node in range(1, len(t)):
-            children[t.parents[node]].append(node)
-        path = [0]
-        while True:   # the target distribution of the nodes on the path only
-            node = path[-1]
-            residual = sampling.target_probs(logits[node][None, None], [r.params])[0, 0]
-            total = float(residual.sum())
-            for rank, child in enumerate(children[node]):
-                x = t.tokens[child]
-                mass = float(residual[x])
-                if coins[t.depths[node]][rank] * total < mass:
-                    path.append(child)
-                    break
-                residual = reject(residual, x)
-                total -= mass
-            else:
-                race = noise.exponential([r.seed], [offset + t.depths[node]], noise.TARGET_RACE,
-                                         1, residual.shape[-1], residual.device)[0, 0]
-                return path, int((residual / race).argmax())
+        walks, coin = [], 0
+        for j, t in enumerate(trees):
+            walks.append(walk_sampled(t, totals[first[j]:first[j + 1]],
+                                      masses[first[j] - j:first[j + 1] - j - 1],
+                                      coins[coin:coin + deepest[j] + 1]))
+            coin += deepest[j] + 1
+        last = probs[torch.tensor([f + path[-1] for f, (path, _) in zip(first, walks)],
+                                  device=logits.device)]
+        residuals = []
+        for row, (_, refused) in zip(last, walks):
+            for x in refused:
+                row = reject(row, x)
+            residuals.append(row)
+        race = noise.exponential([r.seed for r in requests],
+                                 [o + t.depths[path[-1]] for o, t, (path, _) in
+                                  zip(offsets, trees, walks)],
+                                 noise.TARGET_RACE, 1, probs.shape[-1], logits.device)[:, 0]
+        bonus = (torch.stack(residuals) / race).argmax(-1).tolist()
+        return [(path, b) for (path, _), b in zip(walks, bonus)]
 
     def _commit_paths(self, rows: list[list[int]], targets: list[list[int]],
                       meta: AttentionMetadata) -> None:
