@@ -50,6 +50,28 @@ def test_bundled_draft_is_lossless_in_float32_and_accepts(smollm2):
     assert tau > 1.5
 
 
+def test_demo_compares_texts_in_dflash_s_dtype_when_target_only_runs_faster_in_another(
+        smollm2, monkeypatch):
+    """The speed baseline may take another dtype than DFlash (each engine its fastest): the
+    texts are then compared with target-only decoding in DFlash's dtype, which they equal."""
+    import io
+
+    from dflash import demo
+
+    def engines(target, draft=None, dtype="auto", **kwargs):
+        if draft is None:
+            target_only.append(dtype)
+            if len(target_only) == 1:   # the speed baseline, as if float32 decoded faster here
+                dtype = "float32"
+        return LLM(target, draft, dtype=dtype, **kwargs)
+
+    target_only: list = []
+    monkeypatch.setattr(demo, "LLM", engines)
+    summary = demo.run(dtype="bfloat16", max_tokens=48, quantization=None, out=io.StringIO())
+    assert (summary["dtype"], summary["target_only_dtype"]) == ("bfloat16", "float32")
+    assert summary["identical_outputs"] == len(demo.QUESTIONS)
+
+
 def test_demo_streams_answers_and_reports_the_speedup(smollm2):
     import io
 
