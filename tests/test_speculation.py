@@ -412,7 +412,7 @@ def test_a_step_drafts_from_a_block_cut_to_the_drafts_it_can_verify(models):
     """A step whose sequences verify at most k drafts runs the draft over [pending, MASK * k] at
     positions n .. n+k, and proposes the argmax of its k mask rows: what the draft model computes
     for that (k + 1)-token block, every row through the head (float32). The full block still
-    gives B-1 drafts."""
+    gives B-1 drafts, and a lone sequence keeps its whole block."""
     target, draft = models
     llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation="fixed")
     requests = [llm.engine.processor.request(p, SamplingParams()) for p in PROMPTS[:3]]
@@ -438,3 +438,6 @@ def test_a_step_drafts_from_a_block_cut_to_the_drafts_it_can_verify(models):
                               worker.draft_cache)
         expected = worker.target.logits(hidden).view(3, k + 1, -1)[:, 1:].argmax(-1)
     assert torch.equal(few, expected)
+    alone = worker.block_inputs(requests[:1], k)
+    assert alone.tokens.tolist() == [requests[0].output_ids[-1]] + [mask] * (B - 1)
+    assert alone.num_drafts == k and worker.draft_forward(alone)[0].shape == (1, k)

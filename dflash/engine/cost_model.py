@@ -43,7 +43,7 @@ MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is co
 REPEATS = 5
 SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
 RETRIES = 2              # ... at most this many times (the fastest time is kept)
-FORMAT = 7               # of the cache files: files of another format are not read
+FORMAT = 8               # of the cache files: files of another format are not read
 
 
 @dataclass

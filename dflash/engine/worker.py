@@ -38,9 +38,9 @@ from .tree import Tree, accept_greedy, best_first, reject, walk_sampled
 @dataclass
 class StepInputs:
     requests: list[Request]
-    tokens: torch.Tensor          # [Bs * (K + 1)] block tokens (pending token, then K masks)
+    tokens: torch.Tensor          # [Bs * rows] block tokens (pending token, then masks)
     meta: AttentionMetadata       # positions / slots / tables shared by draft and target
-    block_size: int               # K + 1: the rows of each sequence's block
+    block_size: int               # rows of each sequence's block: K + 1, or B for one
     num_drafts: int               # K, the most drafts any of these sequences verifies (<= B-1)
 
 
@@ -126,24 +126,27 @@ class Worker:
         """The draft's block for each request: [pending, MASK * K] at its next positions, one
         draft per mask (K = num_drafts, default B-1).
 
-        A step that can verify K < B-1 drafts cuts the block to those K masks: the masks after
-        them only feed the draft's non-causal attention (a mask token carries its position and
-        nothing else). Without them the deeper drafts are accepted slightly less often, but the
-        draft forward's rows, its cost at larger batches, shrink with K (design.md 4.2)."""
+        When several sequences draft and can verify K < B-1 drafts, their blocks are cut to
+        those K masks: the masks after them only feed the draft's non-causal attention (a mask
+        token carries its position and nothing else), and the draft forward's rows, its cost at
+        larger batches, shrink with K. The drafts at depth are accepted less often without them
+        (design.md 7), so a lone sequence, whose draft pass costs little more whole, keeps its
+        whole block."""
         k = self.block_size - 1 if num_drafts is None else num_drafts
-        tokens = torch.full((len(requests), k + 1), -1 if self.mask_token_id is None
+        rows = k + 1 if len(requests) > 1 else self.block_size
+        tokens = torch.full((len(requests), rows), -1 if self.mask_token_id is None
                             else self.mask_token_id, device=self.device)
         tokens[:, 0] = self._pending(requests)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
-                              [k + 1] * len(requests), self.kv_block_size, self.device,
+                              [rows] * len(requests), self.kv_block_size, self.device,
                               self.num_kv_blocks)
-        return StepInputs(requests, tokens.flatten(), meta, k + 1, k)
+        return StepInputs(requests, tokens.flatten(), meta, rows, k)
 
     @torch.inference_mode()
     def draft_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [Bs, K] for K = inputs.num_drafts (argmax, or sampled with dense
-        probabilities [Bs, K, V]), from one draft forward over the K + 1 rows of each block (its
-        attention is non-causal), the K mask rows through the lm_head."""
+        probabilities [Bs, K, V]), from one draft forward over the blocks (`block_inputs`; its
+        attention is non-causal), their first K mask rows through the lm_head."""
         bs, k = len(inputs.requests), inputs.num_drafts
         logits = draft_logits(self.target, self.draft, self.draft_head,
                               inputs.tokens.view(bs, inputs.block_size), inputs.meta,
