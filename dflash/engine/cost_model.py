@@ -8,7 +8,8 @@ plus its verified drafts) and drafts for d of them is modelled as
 `decode` is one pass with one row per sequence (the step with speculation off), `target` one
 verify pass with the rows packed B to a sequence (what verifying drafts adds is priced by its
 slope), `draft` the forward over the drafting sequences' blocks of k + 1 rows (the pending
-token and k masks) plus the draft's lm_head over the k mask rows (k the longest verify of the
+token and k masks; a lone drafting sequence's whole block) plus the draft's lm_head over the k
+mask rows (k the longest verify of the
 step; 0 when none drafts). The draft is timed at k = 1 and k = B-1 and priced linearly in k
 between. They are timed on small grids with the engine's own worker and caches
 (`Worker.measure_costs`), all points in turn (`fastest_each`); points that look preempted (slower
@@ -73,7 +74,8 @@ class CostModel:
 
     def draft(self, sequences, drafts=None):
         """One draft step of `sequences` sequences making `drafts` drafts each (default B-1):
-        blocks of drafts + 1 rows, drafts of them through the lm_head."""
+        blocks of drafts + 1 rows (one sequence: the whole block), drafts of them through the
+        lm_head."""
         if not self.draft_s:
             return np.zeros(np.shape(sequences))
         cost = self._interpolate("draft_s", sequences)

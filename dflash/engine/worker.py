@@ -3,7 +3,7 @@
 A decode step for a batch of sequences, each with `n` cached tokens, a pending last token and a
 verify length k (0..B-1, chosen by the scheduler):
   block_inputs  block [pending, MASK * max(k)] at positions n .. n+max(k) for every sequence
-                        with k > 0
+                        with k > 0 (a lone such sequence: the whole block)
   draft_forward      one non-causal draft forward -> max(k) draft tokens per such sequence
   verify          one causal target forward over [pending, first k drafts] of every
                         sequence (a ragged batch) + rejection sampling
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 
@@ -347,9 +348,9 @@ class Worker:
         """Each request's tree: the root (its pending token) alone (depth 0), or the best-first
         tree over one draft pass's top candidates at the first `depth` block positions, of the
         size `choose(candidates)` gives (candidates: per drafting request, the tree of its
-        first `size` candidate nodes in best-first order). The draft's block reaches as deep as
-        the deepest tree may (`block_inputs`), and only its positions go through the draft's
-        lm_head and top-k."""
+        first `size` candidate nodes in best-first order). The draft's block reaches at least as
+        deep as the deepest tree may (`block_inputs`), and only those positions go through the
+        draft's lm_head and top-k."""
         trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
         chosen = [i for i, d in enumerate(depths) if d > 0]
         if not chosen:
@@ -379,9 +380,7 @@ class Worker:
         """Per request, the tokens it emits and its accepted path (node indices from the root),
         from the target's logits at every node (rows of the trees one after another): greedy
         along the argmax, sampled by `_accept_sampled`, all sampled requests at once."""
-        starts = [0]
-        for t in trees:
-            starts.append(starts[-1] + len(t))
+        starts = list(accumulate((len(t) for t in trees), initial=0))
         # the sync; sampled requests read their logits only through target_probs
         target_ids = sampling.first_argmax(logits).tolist() \
             if any(r.params.is_greedy for r in requests) else []
@@ -410,9 +409,7 @@ class Worker:
         requests, and their last residuals and races are one batched computation."""
         if not requests:
             return []
-        first = [0]
-        for t in trees:
-            first.append(first[-1] + len(t))
+        first = list(accumulate((len(t) for t in trees), initial=0))
         nodes = torch.tensor([s + n for s, t in zip(starts, trees) for n in range(len(t))],
                              device=logits.device)
         probs = sampling.target_probs(
