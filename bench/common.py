@@ -18,9 +18,11 @@ RESULTS = Path(__file__).parent / "results"
 
 def build_suffix() -> str:
     """`_avx2` or `_default` when ATEN_CPU_CAPABILITY makes this run take the kernels of that
-    build instead of the host's best, else "": results files of such runs carry it."""
-    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    return f"_{capability}" if capability else ""
+    build instead of the host's best, and `_<limit>` (e.g. `_avx512_core`) when
+    ONEDNN_MAX_CPU_ISA hides instructions from oneDNN and the kernels, else "": results files of
+    such runs carry it."""
+    return "".join(f"_{value}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                   if (value := os.environ.get(name, "").strip().lower()))
 
 
 def timeit(fn, warmup: int = 3, min_time: float = 0.5, min_runs: int = 5) -> float:

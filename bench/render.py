@@ -106,6 +106,11 @@ TABLES = [
      "ATEN_CPU_CAPABILITY=avx2 python bench/bench_quant_linear.py",
      "The same with the kernels of the AVX2 build, as on a CPU without AVX-512: int8 and int4 "
      "through VPMADDUBSW / VPMADDWD."),
+    ("quant_linear_avx512_core", "`quant_linear`, AVX-512 without VNNI or bf16",
+     "ONEDNN_MAX_CPU_ISA=AVX512_CORE python bench/bench_quant_linear.py",
+     "The same with the ISA limit of an AVX-512 CPU without VNNI or bf16 units (Skylake-SP): "
+     "int8 and int4 through VPMADDUBSW / VPMADDWD on 64-byte vectors, bf16 weights through "
+     "float32 products."),
     ("quantized", "Quantized weights", "python bench/bench_quantized.py",
      "The bundled pair, concurrency 1, greedy, the first 12 held-out questions, 256 tokens, "
      "activations in bf16; bf16 weights (pair panels) against `quantization=\"int8\"` and "

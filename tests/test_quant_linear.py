@@ -6,6 +6,7 @@ on exact inputs, rows independent of the rows beside them, and DFlash over a qua
 token for token equal to that target's own decoding. (8-bit bad inputs, opcheck: test_layer_ops.)
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from dflash.cli import QUANTIZATION_CHOICES
 from dflash.engine import EngineArgs
 from dflash.models import load_target
 from dflash.models.layers import QUANTIZATIONS, QuantizedWeight, linear, unpacked
-from dflash.ops import packing, reference
+from dflash.ops import packing, reference, registry
 from dflash.ops.cases import quant_linear_inputs
 
 from helpers import make_tiny_pair, make_tiny_target, write_llama_gguf
@@ -227,9 +228,9 @@ def test_the_bound_catches_a_layout_mistake(mistake, bits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n", [16, 48, 144, 272])
 def test_rows_do_not_depend_on_the_rows_beside_them(n, dtype, bits):
-    """Every row count takes another block shape (AVX-512, 1-2 rows: 8 panels a block; more: 4
-    panels x 6 (8 bits) or 4 (4 bits) rows; AVX2: 1 panel x 1 row for 1-2 rows, x 4 rows for
-    more; and their remainders) and n another partial last tile, yet each
+    """Every row count takes another block shape (AVX-512, 1-2 rows: 8 (8 bits) or 4 (4 bits)
+    panels a block; more: 4 panels x 6 (8 bits with VNNI) or 4 rows; AVX2: 1 panel x 1 row for
+    1-2 rows, x 4 rows for more; and their remainders) and n another partial last tile, yet each
     row of a call equals the same row alone, bit for bit: what makes DFlash's verification equal
     decoding."""
     qw = _quantized(_weight(n, 96, seed=n), bits)
@@ -237,6 +238,43 @@ def test_rows_do_not_depend_on_the_rows_beside_them(n, dtype, bits):
     alone = torch.cat([linear(x[i:i + 1], qw) for i in range(23)])
     for rows in (2, 3, 5, 6, 7, 13, 23):
         assert torch.equal(linear(x[:rows], qw), alone[:rows])
+
+
+WITHOUT_VNNI = """
+import sys, torch
+from dflash import ops
+inputs = torch.load(sys.argv[1])
+torch.save([ops.quant_linear(x, *w, None) for x, w in inputs], sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(registry.CPU_CAPABILITY != "AVX512", reason="the AVX-512 build's two paths")
+def test_avx512_without_vnni_computes_what_vnni_computes(tmp_path):
+    """ONEDNN_MAX_CPU_ISA=AVX512_CORE hides AVX512-VNNI from the AVX-512 build, as on an AVX-512
+    CPU without it (Skylake-SP), which then takes VPMADDUBSW pairs instead of VPDPBUSD. A group's
+    integer is exact on both paths, so every row equals this process's bit for bit: random
+    inputs at each block shape, 8 and 4 bits, and the products at the ends of the range that
+    would saturate VPMADDUBSW's int16 sums if q's sign were not moved onto x."""
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(5)
+    inputs = []
+    for bits in (8, 4):
+        for n, rows in ((48, 1), (272, 2), (144, 5), (272, 23)):
+            x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+            inputs.append((x, _quantized(_weight(n, 96, seed=n + bits), bits)))
+    q = torch.where(torch.arange(64) % 3 == 0, -128, 127).expand(32, 64).to(torch.int8)
+    x = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0).expand(3, 64) * 127 / 64   # exact
+    inputs.append((x, QuantizedWeight(*packing.to_quad_panels(q, torch.full((32, 2), 0.5)))))
+    torch.save([(x, (w.codes, w.scales, w.mins)) for x, w in inputs], tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", WITHOUT_VNNI, tmp_path / "inputs.pt",
+                    tmp_path / "outputs.pt"],
+                   env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, check=True)
+    outputs = torch.load(tmp_path / "outputs.pt")
+    for (x, w), got in zip(inputs, outputs, strict=True):
+        assert torch.equal(got, linear(x, w))
+    assert torch.equal(outputs[-1].double(), x.double() @ (q.double() * 0.5).T)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -9,9 +9,13 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +28,17 @@
                          AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES(__VA_ARGS__))
 
 namespace dflash::cpu {
+
+// oneDNN's runtime ISA limit (ONEDNN_MAX_CPU_ISA, e.g. AVX512_CORE), upper-cased, "" when unset.
+// It hides instruction sets from oneDNN's GEMMs; the kernels that pick a path by the CPU's flags
+// honour it too, so a host without those instructions can be studied on one that has them.
+inline std::string isa_limit() {
+  const char* limit = std::getenv("ONEDNN_MAX_CPU_ISA");
+  std::string isa(limit == nullptr ? "" : limit);
+  std::transform(isa.begin(), isa.end(), isa.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+  return isa;
+}
 
 // Elements of work a thread must get before a pass goes parallel: waking pool threads costs tens
 // of microseconds (far more on a busy machine), so small calls run on the calling thread.

@@ -22,9 +22,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cctype>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <limits>
@@ -417,16 +415,10 @@ void split_hi_lo(const float* s, T* hi, T* lo, int64_t n) {
   }
 }
 
-// oneDNN's runtime ISA limit (ONEDNN_MAX_CPU_ISA, e.g. AVX512_CORE) hides the matrix engine from
-// oneDNN's GEMMs; it hides it from this kernel too, so a host without bf16 matrix units can be
-// studied on one that has them. Only the AMX ISAs (and no limit) leave it usable.
+// Only the AMX ISAs (and no limit) leave the matrix engine usable (common.h, isa_limit).
 inline bool isa_limit_allows_amx() {
-  const char* limit = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (limit == nullptr || *limit == '\0') return true;
-  std::string isa(limit);
-  std::transform(isa.begin(), isa.end(), isa.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
-  return isa == "ALL" || isa == "DEFAULT" || isa.find("AMX") != std::string::npos;
+  const std::string isa = isa_limit();
+  return isa.empty() || isa == "ALL" || isa == "DEFAULT" || isa.find("AMX") != std::string::npos;
 }
 
 template <typename T>

@@ -5,12 +5,11 @@
 // Decoding streams every weight once per step, so a weight of 1 byte (plus 4 bytes of scale per
 // 32) halves the bytes of bf16, and one of half a byte (plus 8 bytes per 32) takes 3/8 of them.
 // The activations are quantized too, per row and group of 32, as llama.cpp quantizes the input of
-// a Q8_0 matmul (quantize_group below): a group's
-// dot product is then an exact integer, computed by AVX512-VNNI's VPDPBUSD (64 byte products per
-// instruction) where the CPU has it, by AVX2's VPMADDUBSW and VPMADDWD in the AVX2 build, else in
-// float32 from bytes widened as they load (every product and partial sum is an integer below
-// 2^24, so exact as well). All give the same
-// integer, and it enters the row's float32 sum the same way: acc = fma(sum, w_scale * x_scale,
+// a Q8_0 matmul (quantize_group below): a group's dot product is then an exact integer, computed
+// by AVX512-VNNI's VPDPBUSD (64 byte products per instruction) where the CPU has it, by
+// VPMADDUBSW and VPMADDWD in the AVX2 build and on AVX-512 CPUs without VNNI, and in the scalar
+// build in float32 from bytes widened as they load (every product and partial sum is an integer
+// below 2^24, so exact as well). All give the same integer, and it enters the row's float32 sum the same way: acc = fma(sum, w_scale * x_scale,
 // acc), group by group in order. A row's result therefore does not depend on the other rows of
 // the call, the thread split or the path, so the rows of a verification equal the one-token
 // decodes of the same tokens bit for bit.
@@ -188,9 +187,22 @@ void multiply_group(const Block& b, int64_t g) {
   }
 }
 
+// Which instructions give a group's integers: VPDPBUSD (AVX512-VNNI), pairs of VPMADDUBSW and
+// VPMADDWD (the AVX2 build, and the AVX-512 one on a CPU without VNNI), or float32 products
+// (the scalar build). All give the same integers.
+enum class Path { kVnni, kPairs, kFloat };
+
 #if defined(CPU_CAPABILITY_AVX512)
+// VNNI where the CPU has it and oneDNN's ISA limit admits it (common.h, isa_limit): the limits
+// below AVX512_CORE_VNNI hide it, so `ONEDNN_MAX_CPU_ISA=AVX512_CORE` runs an AVX-512 host
+// without VNNI (Skylake-SP) on one that has it.
 bool has_vnni() {
-  static const bool has = __builtin_cpu_supports("avx512vnni");
+  static const bool has = [] {
+    const std::string isa = isa_limit();
+    for (const char* below : {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"})
+      if (isa == below) return false;
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
   return has;
 }
 
@@ -199,7 +211,7 @@ bool has_vnni() {
 // costs as much as a group's work at one row). The fields of `b` are read into locals first: the
 // stores to b.out would otherwise make the compiler keep the accumulators in memory.
 template <int Bits, int NP, int MR>
-__attribute__((target("avx512vnni"))) void dot_groups(const Block& b) {
+__attribute__((target("avx512vnni"))) void dot_groups_vnni(const Block& b) {
   static_assert(kVecs == 1, "an AVX-512 vector holds a panel");
   const int64_t k = b.k, groups = b.groups, panel_bytes = b.panel_bytes, ldo = b.ldo;
   float* out = b.out;
@@ -258,119 +270,164 @@ __attribute__((target("avx512vnni"))) void dot_groups(const Block& b) {
     }
   }
 }
-#elif defined(CPU_CAPABILITY_AVX2)
-// AVX2 has no VPDPBUSD; the same integers come from VPMADDUBSW (unsigned x signed bytes, pairs
-// summed to int16) and VPMADDWD against ones (int16 pairs summed to int32), so each 32-bit lane
-// again holds one column's sum of 4 products. VPMADDUBSW saturates its int16 sums, so no pair may
-// exceed 32767: 8 bits multiply |q| (at most 128) by x with q's sign moved onto it (|x| <= 127,
-// as quantize_group makes it): 2 * 128 * 127 fits. 4 bits multiply the codes (0..15) by x as
-// they are. A group's integer is then what the VNNI and float paths compute, and it enters the
-// row's sum the same way.
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// The pairs path's vector operations, 64 bytes wide in the AVX-512 build (AVX512BW) and 32 in
+// the AVX2 one.
+struct Pairs {
+#if defined(CPU_CAPABILITY_AVX512)
+  using I = __m512i;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bytes(char v) { return _mm512_set1_epi8(v); }
+  static I lanes(int32_t v) { return _mm512_set1_epi32(v); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I both(I a, I b) { return _mm512_and_si512(a, b); }
+  static I flip(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), bytes(0x0f)); }
+  static I magnitude(I q) { return _mm512_abs_epi8(q); }
+  // x negated where q < 0 (VPSIGNB has no 64-byte form; where q = 0, |q| x is 0 anyway)
+  static I signed_by(I x, I q) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x);
+  }
+  static I quad_sums(I u, I s) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+  }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static fVec to_float(I a) { return fVec(_mm512_cvtepi32_ps(a)); }
+#else
+  using I = __m256i;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  static I bytes(char v) { return _mm256_set1_epi8(v); }
+  static I lanes(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I both(I a, I b) { return _mm256_and_si256(a, b); }
+  static I flip(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), bytes(0x0f)); }
+  static I magnitude(I q) { return _mm256_abs_epi8(q); }
+  static I signed_by(I x, I q) { return _mm256_sign_epi8(x, q); }
+  static I quad_sums(I u, I s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static fVec to_float(I a) { return fVec(_mm256_cvtepi32_ps(a)); }
+#endif
+};
+static_assert(sizeof(Pairs::I) == sizeof(fVec), "an integer vector per float vector of columns");
+
+// The same integers from VPMADDUBSW (unsigned x signed bytes, pairs summed to int16) and
+// VPMADDWD against ones (int16 pairs summed to int32), so each 32-bit lane again holds one
+// column's sum of 4 products. VPMADDUBSW saturates its int16 sums, so no pair may exceed 32767:
+// 8 bits multiply |q| (at most 128) by x with q's sign moved onto it (|x| <= 127, as
+// quantize_group makes it): 2 * 128 * 127 fits. 4 bits multiply the codes (0..15) by x as they
+// are. A group's integer is then what the VNNI and float paths compute, and it enters the row's
+// sum the same way.
 template <int Bits, int NP, int MR>
-void dot_groups(const Block& b) {
-  static_assert(kVecs == 2, "two AVX2 vectors hold a panel");
-  constexpr int NV = NP * kVecs;                 // vectors of 8 columns
-  constexpr int kQuadsPerVector = 8 / Bits;      // as in the VNNI version
-  constexpr int64_t kHalf = kPanel * kQuad / 2;  // bytes of 8 columns' quads
+void dot_groups_pairs(const Block& b) {
+  using I = Pairs::I;
+  constexpr int NV = NP * kVecs;                         // vectors of fVec::size() columns
+  constexpr int kQuadsPerVector = 8 / Bits;              // as in the VNNI version
+  constexpr int64_t kVecBytes = kPanel * kQuad / kVecs;  // one vector's columns' quads
   const int64_t k = b.k, groups = b.groups, panel_bytes = b.panel_bytes, ldo = b.ldo;
   float* out = b.out;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     const Group in = group_of<Bits>(b, g);
-    __m256i acc[MR][NV];
+    I acc[MR][NV];
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_setzero_si256();
+      for (int j = 0; j < NV; ++j) acc[r][j] = Pairs::zero();
 #pragma GCC unroll 8
     for (int64_t i = 0; i < kQuadsPerGroup / kQuadsPerVector; ++i) {
       // 8 bits: q (signed) and |q|; 4 bits: the low and the high nibbles' codes
-      __m256i wv[2][NV];
+      I wv[2][NV];
       for (int j = 0; j < NV; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-            in.w + (j / kVecs) * panel_bytes + i * kPanel * kQuad + (j % kVecs) * kHalf));
+        const I v = Pairs::load(in.w + (j / kVecs) * panel_bytes + i * kPanel * kQuad +
+                                (j % kVecs) * kVecBytes);
         if constexpr (Bits == 8) {
-          wv[0][j] = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
-          wv[1][j] = _mm256_abs_epi8(wv[0][j]);
+          wv[0][j] = Pairs::flip(v, Pairs::bytes(static_cast<char>(0x80)));
+          wv[1][j] = Pairs::magnitude(wv[0][j]);
         } else {
-          const __m256i nibble = _mm256_set1_epi8(0x0f);
-          wv[0][j] = _mm256_and_si256(v, nibble);
-          wv[1][j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          wv[0][j] = Pairs::both(v, Pairs::bytes(0x0f));
+          wv[1][j] = Pairs::high_nibbles(v);
         }
       }
       for (int r = 0; r < MR; ++r) {
         for (int h = 0; h < kQuadsPerVector; ++h) {
           int32_t quad_x;
           std::memcpy(&quad_x, in.x + r * k + (i * kQuadsPerVector + h) * kQuad, sizeof(quad_x));
-          const __m256i xv = _mm256_set1_epi32(quad_x);
+          const I xv = Pairs::lanes(quad_x);
           for (int j = 0; j < NV; ++j) {
-            const __m256i pairs =
-                Bits == 8 ? _mm256_maddubs_epi16(wv[1][j], _mm256_sign_epi8(xv, wv[0][j]))
-                          : _mm256_maddubs_epi16(wv[h][j], xv);
-            acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(pairs, ones));
+            const I sums = Bits == 8 ? Pairs::quad_sums(wv[1][j], Pairs::signed_by(xv, wv[0][j]))
+                                     : Pairs::quad_sums(wv[h][j], xv);
+            acc[r][j] = Pairs::add(acc[r][j], sums);
           }
         }
       }
     }
     for (int r = 0; r < MR; ++r) {
-      const __m256 xs = _mm256_set1_ps(in.xscale[r * groups]);
-      const __m256 xsum_scaled =
-          _mm256_set1_ps(in.xscale[r * groups] * static_cast<float>(in.xsum[r * groups]));
+      const fVec xs(in.xscale[r * groups]);
+      const fVec xsum_scaled(in.xscale[r * groups] * static_cast<float>(in.xsum[r * groups]));
       for (int j = 0; j < NV; ++j) {
         const int64_t at = (j / kVecs) * groups * kPanel + (j % kVecs) * fVec::size();
         float* o = out + r * ldo + j * fVec::size();
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(in.wscale + at), xs);
-        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][j]), s, _mm256_loadu_ps(o));
+        fVec sum = at::vec::fmadd(Pairs::to_float(acc[r][j]), fVec::loadu(in.wscale + at) * xs,
+                                  fVec::loadu(o));
         if constexpr (Bits == 4)
-          sum = _mm256_fmadd_ps(_mm256_loadu_ps(b.mins + g * kPanel + at), xsum_scaled, sum);
-        _mm256_storeu_ps(o, sum);
+          sum = at::vec::fmadd(fVec::loadu(b.mins + g * kPanel + at), xsum_scaled, sum);
+        sum.store(o);
       }
     }
   }
 }
 #endif
 
-template <int Bits, int NP, int MR>
+template <Path P, int Bits, int NP, int MR>
 void multiply_block(const Block& b) {
-#if defined(CPU_CAPABILITY_AVX2)
-  dot_groups<Bits, NP, MR>(b);
-#else
 #if defined(CPU_CAPABILITY_AVX512)
-  if (has_vnni()) return dot_groups<Bits, NP, MR>(b);
+  if constexpr (P == Path::kVnni) return dot_groups_vnni<Bits, NP, MR>(b);
 #endif
-  for (int64_t g = 0; g < b.groups; ++g) multiply_group<Bits, NP, MR>(b, g);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (P == Path::kPairs) return dot_groups_pairs<Bits, NP, MR>(b);
 #endif
+  if constexpr (P == Path::kFloat)
+    for (int64_t g = 0; g < b.groups; ++g) multiply_group<Bits, NP, MR>(b, g);
 }
 
 // Blocks of NP panels x MR rows, down to 1 x 1: the row count and panel count of the last blocks
 // fixed at compile time.
-template <int Bits, int NP, int MR>
+template <Path P, int Bits, int NP, int MR>
 void multiply_rows(Block b, int64_t rows) {
   if constexpr (MR > 0) {
     for (; rows >= MR; rows -= MR, b.row += MR, b.out += MR * b.ldo)
-      multiply_block<Bits, NP, MR>(b);
-    if (rows > 0) multiply_rows<Bits, NP, MR - 1>(b, rows);
+      multiply_block<P, Bits, NP, MR>(b);
+    if (rows > 0) multiply_rows<P, Bits, NP, MR - 1>(b, rows);
   }
 }
 
 // Threads split the panels (as panel_linear); each walks its share NP panels at a time, and each
 // block of rows walks all of their groups (the tile's weights stay in L1 / L2 for the next block).
-// 4 bits hold two vectors of weights per load in registers: fewer rows per block.
+// Calls of at most few_rows rows take blocks of few_np panels x 1 row, others many_np x many_mr:
+// the accumulators and the weight vectors of a block stay in the registers (32 with AVX-512, 16
+// with AVX2).
+struct Blocking {
+  int few_rows, few_np, many_np, many_mr;
+};
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int kFewRows = 2;
-constexpr int kFewNP = 8, kFewMR = 1, kManyNP = 4;
-template <int Bits>
-constexpr int kManyMR = Bits == 8 ? 6 : 4;
+// One row streams the weight: 8 panels of 8 bits, but 4 of 4 bits, whose scales and minimums are
+// two more streams a panel (8 measured about 20% slower there). Many rows: VNNI's 8 bits fit 6 rows of
+// 4 panels, 4 bits (two vectors of weights a load) and the pairs path (q and |q|) 4.
+constexpr Blocking blocking(Path p, int bits) {
+  return {2, bits == 8 ? 8 : 4, 4, p == Path::kVnni && bits == 8 ? 6 : 4};
+}
 #elif defined(CPU_CAPABILITY_AVX2)
-// 16 registers: one panel (2 vectors of weights, and |q| or the high nibbles) a block; a lm_head
-// pass at 1 row measured about 1.5x faster than with 2 panels.
-constexpr int kFewRows = 2;
-constexpr int kFewNP = 1, kFewMR = 1, kManyNP = 1;
-template <int Bits>
-constexpr int kManyMR = 4;
+// One panel (2 vectors of weights, and |q| or the high nibbles) a block; a lm_head pass at 1 row
+// measured about 1.5x faster than with 2 panels.
+constexpr Blocking blocking(Path, int) {
+  return {2, 1, 1, 4};
+}
 #else
-constexpr int kFewRows = 0;
-constexpr int kFewNP = 2, kFewMR = 2, kManyNP = 2;
-template <int Bits>
-constexpr int kManyMR = 2;
+constexpr Blocking blocking(Path, int) {
+  return {0, 2, 2, 2};
+}
 #endif
 
 // The weight's tensors as the kernel reads them.
@@ -381,7 +438,7 @@ struct Weight {
   int64_t panels;
 };
 
-template <int Bits, int NP, int MR, typename T>
+template <Path P, int Bits, int NP, int MR, typename T>
 void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
               const std::vector<float>& bias, T* out) {
   constexpr int64_t kCols = NP * kPanel;
@@ -405,9 +462,9 @@ void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
                       result.data() + p * kPanel,
                       kCols};
         if (np == NP) {
-          multiply_rows<Bits, NP, MR>(b, rows);
+          multiply_rows<P, Bits, NP, MR>(b, rows);
         } else {  // the share's last, partial tile: one panel at a time
-          multiply_rows<Bits, 1, MR>(b, rows);
+          multiply_rows<P, Bits, 1, MR>(b, rows);
         }
       }
       store_columns(result.data(), rows, kCols, np * kPanel, bias, first * kPanel, out, n);
@@ -415,14 +472,28 @@ void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
   });
 }
 
+template <Path P, int Bits, typename T>
+void multiply_on(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
+                 const std::vector<float>& bias, T* out) {
+  constexpr Blocking kBlock = blocking(P, Bits);
+  if (rows <= kBlock.few_rows) {
+    multiply<P, Bits, kBlock.few_np, 1>(x, rows, k, w, bias, out);
+  } else {
+    multiply<P, Bits, kBlock.many_np, kBlock.many_mr>(x, rows, k, w, bias, out);
+  }
+}
+
 template <int Bits, typename T>
 void multiply_any(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
                   const std::vector<float>& bias, T* out) {
-  if (rows <= kFewRows) {
-    multiply<Bits, kFewNP, kFewMR>(x, rows, k, w, bias, out);
-  } else {
-    multiply<Bits, kManyNP, kManyMR<Bits>>(x, rows, k, w, bias, out);
-  }
+#if defined(CPU_CAPABILITY_AVX512)
+  if (has_vnni()) return multiply_on<Path::kVnni, Bits>(x, rows, k, w, bias, out);
+  multiply_on<Path::kPairs, Bits>(x, rows, k, w, bias, out);
+#elif defined(CPU_CAPABILITY_AVX2)
+  multiply_on<Path::kPairs, Bits>(x, rows, k, w, bias, out);
+#else
+  multiply_on<Path::kFloat, Bits>(x, rows, k, w, bias, out);
+#endif
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
