@@ -120,6 +120,10 @@ TABLES = [
     ("quantized_avx2", "Quantized weights, AVX2 kernels",
      "ATEN_CPU_CAPABILITY=avx2 python bench/bench_quantized.py",
      "The same with every kernel of the AVX2 build, as on a CPU without AVX-512."),
+    ("quantized_avx512_core", "Quantized weights, AVX-512 without VNNI or bf16",
+     "ONEDNN_MAX_CPU_ISA=AVX512_CORE python bench/bench_quantized.py",
+     "The same with the ISA limit of an AVX-512 CPU without VNNI or bf16 units (Skylake-SP): "
+     "bf16 weights through float32 products, int8 and int4 through VPMADDUBSW pairs."),
     ("llamacpp", "Against llama.cpp", "python bench/bench_llamacpp.py",
      "The bundled pair at each weight format (the target converted from its shipped Q4_1 weights "
      "by `llama-quantize`, the token embedding Q8_0 in the 8- and 4-bit files; the draft by "
