@@ -231,7 +231,9 @@ __attribute__((target("avx512vnni"))) void dot_groups_vnni(const Block& b) {
       __m512i wv[kQuadsPerVector][NP];
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
-        const __m512i v = _mm512_loadu_si512(in.w + p * panel_bytes + i * kPanel * kQuad);
+        const uint8_t* at = in.w + p * panel_bytes + i * kPanel * kQuad;
+        prefetch_to_l2(at, NP * panel_bytes);  // the next tile (common.h)
+        const __m512i v = _mm512_loadu_si512(at);
         if constexpr (Bits == 8) {
           wv[0][p] = v;
         } else {
@@ -260,11 +262,15 @@ __attribute__((target("avx512vnni"))) void dot_groups_vnni(const Block& b) {
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
         float* o = out + r * ldo + p * kPanel;
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(in.wscale + p * groups * kPanel), xs);
+        const float* scale = in.wscale + p * groups * kPanel;
+        if (r == 0) prefetch_to_l2(scale, NP * groups * kPanel * sizeof(float));
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale), xs);
         __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][p]), s, _mm512_loadu_ps(o));
-        if constexpr (Bits == 4)
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(b.mins + g * kPanel + p * groups * kPanel),
-                                xsum_scaled, sum);
+        if constexpr (Bits == 4) {
+          const float* low = b.mins + g * kPanel + p * groups * kPanel;
+          if (r == 0) prefetch_to_l2(low, NP * groups * kPanel * sizeof(float));
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(low), xsum_scaled, sum);
+        }
         _mm512_storeu_ps(o, sum);
       }
     }
@@ -340,8 +346,9 @@ void dot_groups_pairs(const Block& b) {
       // 8 bits: q (signed) and |q|; 4 bits: the low and the high nibbles' codes
       I wv[2][NV];
       for (int j = 0; j < NV; ++j) {
-        const I v = Pairs::load(in.w + (j / kVecs) * panel_bytes + i * kPanel * kQuad +
-                                (j % kVecs) * kVecBytes);
+        const uint8_t* at = in.w + (j / kVecs) * panel_bytes + i * kPanel * kQuad;
+        if (j % kVecs == 0) prefetch_to_l2(at, NP * panel_bytes);  // the next tile (common.h)
+        const I v = Pairs::load(at + (j % kVecs) * kVecBytes);
         if constexpr (Bits == 8) {
           wv[0][j] = Pairs::flip(v, Pairs::bytes(static_cast<char>(0x80)));
           wv[1][j] = Pairs::magnitude(wv[0][j]);
@@ -369,10 +376,16 @@ void dot_groups_pairs(const Block& b) {
       for (int j = 0; j < NV; ++j) {
         const int64_t at = (j / kVecs) * groups * kPanel + (j % kVecs) * fVec::size();
         float* o = out + r * ldo + j * fVec::size();
-        fVec sum = at::vec::fmadd(Pairs::to_float(acc[r][j]), fVec::loadu(in.wscale + at) * xs,
-                                  fVec::loadu(o));
-        if constexpr (Bits == 4)
-          sum = at::vec::fmadd(fVec::loadu(b.mins + g * kPanel + at), xsum_scaled, sum);
+        const float* scale = in.wscale + at;
+        const bool first = r == 0 && j % kVecs == 0;  // of the row's vectors of a panel
+        if (first) prefetch_to_l2(scale, NP * groups * kPanel * sizeof(float));
+        fVec sum =
+            at::vec::fmadd(Pairs::to_float(acc[r][j]), fVec::loadu(scale) * xs, fVec::loadu(o));
+        if constexpr (Bits == 4) {
+          const float* low = b.mins + g * kPanel + at;
+          if (first) prefetch_to_l2(low, NP * groups * kPanel * sizeof(float));
+          sum = at::vec::fmadd(fVec::loadu(low), xsum_scaled, sum);
+        }
         sum.store(o);
       }
     }
