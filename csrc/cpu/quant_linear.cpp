@@ -9,10 +9,10 @@
 // by AVX512-VNNI's VPDPBUSD (64 byte products per instruction) where the CPU has it, by
 // VPMADDUBSW and VPMADDWD in the AVX2 build and on AVX-512 CPUs without VNNI, and in the scalar
 // build in float32 from bytes widened as they load (every product and partial sum is an integer
-// below 2^24, so exact as well). All give the same integer, and it enters the row's float32 sum the same way: acc = fma(sum, w_scale * x_scale,
-// acc), group by group in order. A row's result therefore does not depend on the other rows of
-// the call, the thread split or the path, so the rows of a verification equal the one-token
-// decodes of the same tokens bit for bit.
+// below 2^24, so exact as well). All give the same integer, and it enters the row's float32 sum
+// the same way: acc = fma(sum, w_scale * x_scale, acc), group by group in order. A row's result
+// therefore does not depend on the other rows of the call, the thread split or the path, so the
+// rows of a verification equal the one-token decodes of the same tokens bit for bit.
 //
 // 8-bit layout (dflash.ops.to_quad_panels): weight[p, i, j, t] = q[16 p + j, 4 i + t] + 128, uint8
 // (the int8 value q offset by 128): one 64-byte vector holds 4 consecutive inputs of 16 columns in
@@ -426,8 +426,8 @@ struct Blocking {
 };
 #if defined(CPU_CAPABILITY_AVX512)
 // One row streams the weight: 8 panels of 8 bits, but 4 of 4 bits, whose scales and minimums are
-// two more streams a panel (8 measured about 20% slower there). Many rows: VNNI's 8 bits fit 6 rows of
-// 4 panels, 4 bits (two vectors of weights a load) and the pairs path (q and |q|) 4.
+// two more streams a panel (8 measured about 20% slower there). Many rows: VNNI's 8 bits fit 6
+// rows of 4 panels, 4 bits (two vectors of weights a load) and the pairs path (q and |q|) 4.
 constexpr Blocking blocking(Path p, int bits) {
   return {2, bits == 8 ? 8 : 4, 4, p == Path::kVnni && bits == 8 ? 6 : 4};
 }
