@@ -265,8 +265,8 @@ def test_avx512_without_vnni_computes_what_vnni_computes(tmp_path):
             x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
             inputs.append((x, _quantized(_weight(n, 96, seed=n + bits), bits)))
     q = torch.where(torch.arange(64) % 3 == 0, -128, 127).expand(32, 64).to(torch.int8)
-    x = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0).expand(3, 64) * 127 / 64   # exact
-    inputs.append((x, QuantizedWeight(*packing.to_quad_panels(q, torch.full((32, 2), 0.5)))))
+    ends = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0).expand(3, 64) * 127 / 64   # exact
+    inputs.append((ends, QuantizedWeight(*packing.to_quad_panels(q, torch.full((32, 2), 0.5)))))
     torch.save([(x, (w.codes, w.scales, w.mins)) for x, w in inputs], tmp_path / "inputs.pt")
     subprocess.run([sys.executable, "-c", WITHOUT_VNNI, tmp_path / "inputs.pt",
                     tmp_path / "outputs.pt"],
@@ -274,7 +274,7 @@ def test_avx512_without_vnni_computes_what_vnni_computes(tmp_path):
     outputs = torch.load(tmp_path / "outputs.pt")
     for (x, w), got in zip(inputs, outputs, strict=True):
         assert torch.equal(got, linear(x, w))
-    assert torch.equal(outputs[-1].double(), x.double() @ (q.double() * 0.5).T)
+    assert torch.equal(outputs[-1].double(), ends.double() @ (q.double() * 0.5).T)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
