@@ -38,6 +38,8 @@ CAPABILITY_FLAGS = {
 }
 X86_64 = ("x86_64", "amd64")
 COMMON_FLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unused-function"]
+# dflash._C: the op schemas and the composite ops, one build for every CPU
+C_SOURCES = ["csrc/registry.cpp", "csrc/decoder_layer.cpp"]
 
 
 def take_device_arg() -> str:
@@ -142,7 +144,7 @@ def capability_sources(cap: str, kernels: list[str]) -> list[str]:
 def extensions():
     from torch.utils.cpp_extension import CppExtension
 
-    exts = [CppExtension("dflash._C", ["csrc/registry.cpp"], extra_compile_args=COMMON_FLAGS)]
+    exts = [CppExtension("dflash._C", C_SOURCES, extra_compile_args=COMMON_FLAGS)]
     kernels = sorted(glob.glob("csrc/cpu/*.cpp", root_dir=ROOT))
     if kernels:
         for cap in capabilities():

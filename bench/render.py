@@ -111,6 +111,11 @@ TABLES = [
      "The same with the ISA limit of an AVX-512 CPU without VNNI or bf16 units (Skylake-SP): "
      "int8 and int4 through VPMADDUBSW / VPMADDWD on 64-byte vectors, bf16 weights through "
      "float32 products."),
+    ("decoder_layer", "One call per decoder layer", "python bench/bench_decoder_layer.py",
+     "The bundled target's forward (no lm_head) over 1, 4 and 16 new tokens after 200 cached "
+     "ones, each layer as one `decoder_layer` call against its nine ops called one by one from "
+     "Python, alternating in 9 rounds (medians); bf16 weights in the host's packed layout, int8 "
+     "and int4 `quant_linear`."),
     ("quantized", "Quantized weights", "python bench/bench_quantized.py",
      "The bundled pair, concurrency 1, greedy, the first 12 held-out questions, 256 tokens, "
      "activations in bf16; bf16 weights (pair panels) against `quantization=\"int8\"` and "

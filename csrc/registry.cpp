@@ -49,6 +49,18 @@ TORCH_LIBRARY(dflash, m) {
   m.def("panel_linear(Tensor x, Tensor weight_panels, Tensor? bias) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor weight, Tensor scales, Tensor? mins, Tensor? bias) -> Tensor");
+  // A target decoder layer of decoding or verification as one call of the ops above
+  // (csrc/decoder_layer.cpp): each linear weight is a plain, panel or oneDNN tensor, or quantized
+  // codes with their scales (and 4-bit mins).
+  m.def(
+      "decoder_layer(Tensor x, Tensor? residual, Tensor input_norm, Tensor post_norm, Tensor qkv, "
+      "Tensor? qkv_scales, Tensor? qkv_mins, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
+      "Tensor o, Tensor? o_scales, Tensor? o_mins, Tensor? o_bias, Tensor gate_up, "
+      "Tensor? gate_up_scales, Tensor? gate_up_mins, Tensor down, Tensor? down_scales, "
+      "Tensor? down_mins, Tensor cos_sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping, Tensor block_table, Tensor context_lens, Tensor cu_query_lens, "
+      "Tensor? tree_mask, int num_heads, float scale, float eps, bool check=True) -> "
+      "(Tensor, Tensor)");
 }
 
 // `import dflash._C` loads the schemas; the module itself has no Python attributes.

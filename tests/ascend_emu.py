@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+import dflash.models.target
 import dflash.ops
 from dflash.ops import checks, reference
 
@@ -58,6 +59,10 @@ def ops():
     return torch.ops.dflash_emu
 
 
+def _op_by_op(layer):
+    layer.fused = None
+
+
 class Emulated:
     """The ops as an NPU build serves them: the three fused ops by the emulated Ascend launchers,
     qkv_rope_cache by the PyTorch reference (it has no NPU kernel). `transfers()` counts the
@@ -76,6 +81,9 @@ class Emulated:
             return out
         monkeypatch.setattr(dflash.ops, "paged_attention", paged_attention)
         monkeypatch.setattr(dflash.ops, "qkv_rope_cache", reference.qkv_rope_cache)
+        # an NPU runs the target's layers op by op (DecoderLayer.fuse takes CPU weights only);
+        # the emulation's tensors are on CPU, so keep the layers from taking the one call
+        monkeypatch.setattr(dflash.models.target.DecoderLayer, "fuse", _op_by_op)
         check = checks.slot_mapping_values
 
         def counted(*args):

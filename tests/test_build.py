@@ -85,7 +85,7 @@ def test_cpu_kernels_compile_for_aarch64(tmp_path):
     """What `pip install` compiles on an aarch64 (Kunpeng) host, compiled by GCC for aarch64
     against torch's headers; the x86 capabilities' flags fail there (the negative control)."""
     setup = _setup_module()
-    sources = ["csrc/registry.cpp", *sorted(
+    sources = [*setup.C_SOURCES, *sorted(
         p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc" / "cpu").glob("*.cpp"))]
     for cap in setup.capabilities("aarch64"):
         for source in sources:

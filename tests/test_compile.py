@@ -124,11 +124,12 @@ def test_uniform_step_on_a_checked_plan_skips_the_ops_value_checks(models, monke
             return op(*args, **kwargs)
         return recorded
 
-    for name in ("context_kv", "paged_attention", "qkv_rope_cache"):
+    for name in ("context_kv", "paged_attention", "qkv_rope_cache", "decoder_layer"):
         monkeypatch.setattr(ops, name, recording(name, getattr(ops, name)))
     _, _, drafts, _ = _decode(models)
+    # the target's layers pass the flag to their ops in one call each (ops.decoder_layer)
     assert drafts and {name for name, _ in flags} == {"context_kv", "paged_attention",
-                                                      "qkv_rope_cache"}
+                                                      "decoder_layer"}
     assert not any(check for _, check in flags)
 
 

@@ -166,7 +166,8 @@ class QuantizedWeight:
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
     """F.linear that also takes weights re-laid out by `pack_linear_weight` (inference only:
-    packed and quantized weights have no backward)."""
+    packed and quantized weights have no backward). csrc/decoder_layer.cpp tells the forms apart
+    the same way."""
     if isinstance(weight, QuantizedWeight):
         return ops.quant_linear(x, weight.codes, weight.scales, weight.mins, bias)
     if weight.is_mkldnn:
@@ -176,6 +177,14 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
             return torch.nn.functional.linear(x, ops.from_panels(weight), bias)
         return ops.panel_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_parts(weight) -> tuple:
+    """(weight, scales, mins) as `ops.decoder_layer` takes a linear weight: a quantized one's
+    codes, scales and mins (None for 8 bits), any other weight with None, None."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.codes, weight.scales, weight.mins
+    return weight, None, None
 
 
 def is_panels(weight: torch.Tensor) -> bool:
@@ -265,7 +274,7 @@ def quantize_parameter(module: torch.nn.Module, name: str, quantization: str,
         setattr(module, name, quantized)
 
 
-def _use_fused_ops(*tensors: torch.Tensor) -> bool:
+def use_fused_ops(*tensors: torch.Tensor) -> bool:
     """Whether the fused layer ops (`dflash.ops`) may serve this call: they have no backward, so
     training takes the PyTorch path, which computes the same float32 math. (Under autocast both
     take the dtypes they are given.)"""
@@ -274,7 +283,7 @@ def _use_fused_ops(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32, rounded once to x's dtype."""
-    if _use_fused_ops(x, weight):
+    if use_fused_ops(x, weight):
         return ops.rms_norm(x, weight, eps)
     return reference.rms_norm_float32(x, weight, eps).to(x.dtype)
 
@@ -282,7 +291,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): a residual add and the following norm."""
-    if _use_fused_ops(x, residual, weight) and x.dtype == residual.dtype:
+    if use_fused_ops(x, residual, weight) and x.dtype == residual.dtype:
         return ops.add_rms_norm(x, residual, weight, eps)
     total = residual + x
     return rms_norm(total, weight, eps), total
@@ -324,13 +333,13 @@ def llama3_scaling(inv_freq, factor, low_freq_factor, high_freq_factor,
 
 def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] -> NeoX-rotated by cos_sin [T, D], float32 math, rounded once to x's dtype."""
-    if _use_fused_ops(x):
+    if use_fused_ops(x):
         return ops.rope(x, cos_sin)
     return reference.rope_neox(x.float(), cos_sin).to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if _use_fused_ops(gate_up):
+    if use_fused_ops(gate_up):
         return ops.silu_and_mul(gate_up)
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)

@@ -18,10 +18,12 @@ from torch import nn
 from .. import ops
 from .config import TargetConfig
 from .layers import (
+    PANEL_MAX_ROWS,
     AttentionMetadata,
     QuantizedWeight,
     add_rms_norm,
     linear,
+    linear_parts,
     pack_linear_weight,
     pack_parameter,
     quantize_linear_weight,
@@ -31,6 +33,7 @@ from .layers import (
     rope_positions,
     silu_and_mul,
     unpacked,
+    use_fused_ops,
 )
 from .parallel import TensorParallel
 
@@ -138,11 +141,35 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, tp)
         self.mlp = MoE(cfg, tp) if cfg.is_moe_layer(layer) else \
             MLP(h, cfg.intermediate_size, tp)
+        # the weights in `ops.decoder_layer`'s order once `fuse` ran; None: op by op
+        self.fused: tuple | None = None
+
+    def fuse(self) -> None:
+        """Let `ops.decoder_layer` run this layer in one call (the same ops, so the same results)
+        where that pays and can be done: on CPU (an NPU queues its ops without waiting for
+        Python), with a dense MLP and no tensor parallelism, whose all-reduces sit between the
+        ops. Call it once the weights are final: it holds them as they are now."""
+        attn, mlp = self.attn, self.mlp
+        self.fused = None
+        if self.input_norm.device.type == "cpu" and attn.tp is None and isinstance(mlp, MLP):
+            self.fused = (self.input_norm, self.post_norm, *linear_parts(attn.qkv), attn.qkv_bias,
+                          attn.q_norm, attn.k_norm, *linear_parts(attn.o), attn.o_bias,
+                          *linear_parts(mlp.gate_up), *linear_parts(mlp.down))
 
     def forward(self, x, residual, cos_sin, meta, key_cache, value_cache):
         """x: the previous layer's output, residual: the stream it adds to (None before the first
         layer, where x is the embeddings). Returns the same pair for the next layer: each residual
         add runs fused with the norm that follows it."""
+        # one call, not nine, except where `linear` would leave panel_linear (long prefills) or
+        # a graph capture gives the attention its output buffer
+        if self.fused is not None and x.shape[0] <= PANEL_MAX_ROWS and \
+                meta.attention_out is None and use_fused_ops(x) and \
+                (residual is None or residual.dtype == x.dtype):
+            attn = self.attn
+            return ops.decoder_layer(x, residual, *self.fused, cos_sin, key_cache, value_cache,
+                                     meta.slot_mapping, meta.block_table, meta.context_lens,
+                                     meta.cu_query_lens, meta.tree_mask, attn.num_heads,
+                                     attn.head_dim**-0.5, self.eps, not meta.checked)
         if residual is None:
             h, residual = rms_norm(x, self.input_norm, self.eps), x
         else:
@@ -246,6 +273,7 @@ class TargetModel(nn.Module):
         Without tensor parallelism the model then holds its vocabulary matrices only quantized,
         as llama.cpp does: logits and a draft vocabulary's rows come from the quantized lm_head,
         and embedding lookups from it too when tied, else from an int8 copy of the embedding."""
+        self.unfuse()
         for name in self.linear_weights():
             module, leaf = self._owner(name)
             if isinstance(getattr(module, leaf), nn.Parameter):   # not `quantize_weight`'s yet
@@ -268,17 +296,26 @@ class TargetModel(nn.Module):
         one weight at a time: the loader hands each over as read); False for other names."""
         if name not in self.linear_weights():
             return False
+        self.unfuse()
         quantize_parameter(*self._owner(name), quantization, dtype, value)
         return True
 
+    def unfuse(self) -> None:
+        """Run every layer op by op again (before its weights are replaced)."""
+        for layer in self.layers:
+            layer.fused = None
+
     def pack_weights(self) -> None:
         """Re-lay the dense GEMM weights out for fast small-batch CPU GEMMs (see
-        `pack_linear_weight`; a no-op off CPU, for float16 and for quantized weights). The
-        embedding stays as it is for lookups, so a tied lm_head gets a packed copy."""
+        `pack_linear_weight`; a no-op off CPU, for float16 and for quantized weights), the last
+        step of loading for inference. The embedding stays as it is for lookups, so a tied lm_head
+        gets a packed copy. Then each layer that can runs as one call (`DecoderLayer.fuse`)."""
         for name in self.linear_weights():
             pack_parameter(*self._owner(name))
         if self.packed_head is None:
             self.packed_head = pack_linear_weight(self.output_embedding.data)
+        for layer in self.layers:
+            layer.fuse()
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the lm_head, e.g. a draft vocabulary's output embedding [len(ids), H]."""

@@ -1,6 +1,6 @@
 """Thin Python wrappers over `torch.ops.dflash.*` (docs/design.md section 3): the three ops, the
 sampling noise and the decoder layer's small ops (the last two: CPU kernels; the PyTorch
-reference on other devices).
+reference on other devices), and `decoder_layer`, a target layer composed of those ops.
 
 Each op checks its inputs itself (shape, dtype, device, index ranges, probability values) and
 raises ValueError naming the problem, whichever implementation serves it; these wrappers add the
@@ -260,3 +260,42 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     rows, so DFlash's verification rows equal one-token decodes bit for bit.
     """
     return torch.ops.dflash.quant_linear(x, weight, scales, mins, bias)
+
+
+def decoder_layer(x: torch.Tensor, residual: torch.Tensor | None, input_norm: torch.Tensor,
+                  post_norm: torch.Tensor, qkv: torch.Tensor, qkv_scales: torch.Tensor | None,
+                  qkv_mins: torch.Tensor | None, qkv_bias: torch.Tensor | None,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, o: torch.Tensor,
+                  o_scales: torch.Tensor | None, o_mins: torch.Tensor | None,
+                  o_bias: torch.Tensor | None, gate_up: torch.Tensor,
+                  gate_up_scales: torch.Tensor | None, gate_up_mins: torch.Tensor | None,
+                  down: torch.Tensor, down_scales: torch.Tensor | None,
+                  down_mins: torch.Tensor | None, cos_sin: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                  context_lens: torch.Tensor, cu_query_lens: torch.Tensor,
+                  tree_mask: torch.Tensor | None, num_heads: int, scale: float, eps: float,
+                  check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense target decoder layer (pre-norm attention, then a gated MLP) as one call of the ops
+    above, in this order: (add_)rms_norm, the QKV projection, qkv_rope_cache, paged_attention
+    (causal, `tree_mask` as there), the output projection, add_rms_norm, the gate-up projection,
+    silu_and_mul, the down projection. The results equal those of the same calls made one by one.
+
+    Args:
+        x: [T, H], the previous layer's output, or the embeddings when `residual` is None.
+        residual: [T, H], the residual stream x adds to, or None before the first layer.
+        input_norm, post_norm: [H], the norms before the attention and before the MLP.
+        qkv, o, gate_up, down: the linear weights ([N, K] as `F.linear` takes them, in column or
+            pair panels for `panel_linear`, in oneDNN's layout, or quantized codes for
+            `quant_linear`, then with their `*_scales` and, 4 bits, `*_mins`; else those None).
+        qkv_bias, o_bias: [N] or None. q_norm, k_norm: [D] (Qwen3) or None.
+        cos_sin ... cu_query_lens, tree_mask, num_heads, eps, check: as `qkv_rope_cache` and
+            `paged_attention` take them; scale: the attention's (head_dim ** -0.5).
+
+    Returns:
+        (the MLP's output [T, H], the residual stream [T, H] it adds to).
+    """
+    return torch.ops.dflash.decoder_layer(
+        x, residual, input_norm, post_norm, qkv, qkv_scales, qkv_mins, qkv_bias, q_norm, k_norm,
+        o, o_scales, o_mins, o_bias, gate_up, gate_up_scales, gate_up_mins, down, down_scales,
+        down_mins, cos_sin, key_cache, value_cache, slot_mapping, block_table, context_lens,
+        cu_query_lens, tree_mask, num_heads, scale, eps, check)

@@ -30,6 +30,9 @@ LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache
 OPS = ("context_kv", "paged_attention", "rejection_sample", "philox_bits", *LAYER_OPS)
 # ops with CPU kernels only: their reference serves every other device
 CPU_ONLY_OPS = ("philox_bits", *LAYER_OPS)
+# ops composed of the others in C++ for every device (CompositeImplicitAutograd): no kernel,
+# reference or fake of their own
+COMPOSITE_OPS = ("decoder_layer",)
 # ops with an overload into caller-owned outputs (`.out`), for graph capture
 OUT_OPS = ("paged_attention", "rejection_sample")
 _CAPABILITY_ORDER = ("AVX512", "AVX2", "DEFAULT")
