@@ -57,6 +57,7 @@ def test_int4_quantizer_matches_its_closed_form():
     nibbles, scales, mins = ops.quantize_int4(w)
     assert nibbles.dtype == torch.uint8 and nibbles.shape == (2, 12, 16, 4)
     assert scales.shape == mins.shape == (2, 3, 16)
+    assert scales.dtype == mins.dtype == torch.float16   # Q4_1's block fields
     groups = w.view(32, 3, 32)
     low, d = groups.amin(-1), (groups.amax(-1) - groups.amin(-1)) / 15
     c = ((groups - low[..., None]) / d[..., None] + 0.5).floor().clamp(0, 15).view(32, 96)
@@ -70,6 +71,17 @@ def test_int4_quantizer_matches_its_closed_form():
     step = scales.transpose(1, 2).reshape(32, 3)
     # half a step, plus what rounding the scale and min to float16 moved
     assert torch.all((deq - w).abs().view(32, 3, 32) <= step[..., None] * (0.5 + 2e-3) + 2e-3)
+
+
+def test_int4_rejects_values_no_float16_minimum_holds():
+    """int4 stores Q4_1's float16 scale and minimum: a weight beyond float16's range (here a
+    Q4_0 grid with d = 2^14, whose -8 d no float16 holds) or with NaN is refused by name, where
+    an infinite minimum would make every output NaN."""
+    codes = torch.arange(32).remainder(16).repeat(16, 1).float()
+    for w in ((codes - 8) * 16384.0, torch.full((16, 32), float("nan"))):
+        with pytest.raises(ValueError, match="quantize_int4: the weight holds .* float16"):
+            ops.quantize_int4(w)
+    ops.quantize_int4((codes - 8) * 8188.0)   # -8 d = -65504, the largest float16: accepted
 
 
 @pytest.mark.parametrize("form", ["Q8_0", "Q4_1", "Q4_0"])
@@ -292,7 +304,7 @@ def test_a_non_finite_row_gives_nan_and_leaves_the_others_alone(bits):
 
 def test_quantized_weight_sizes():
     assert _quantized(_weight(64, 64), 8).nbytes == 64 * 64 + 64 * 2 * 4
-    assert _quantized(_weight(64, 64), 4).nbytes == 64 * 64 // 2 + 2 * 64 * 2 * 4
+    assert _quantized(_weight(64, 64), 4).nbytes == 64 * 64 // 2 + 2 * 64 * 2 * 2   # float16
 
 
 @pytest.mark.parametrize("qtype, quantization", [("Q8_0", "int8"), ("Q4_1", "int4"),

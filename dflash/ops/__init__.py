@@ -251,7 +251,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     holding q + 128 for int8 values q, scales [N / 16, K / 32, 16] float32, one per output column
     and group of 32 inputs, W ~ q * scale (`dequantize_int8`); mins None.
     4 bits, (weight, scales, mins) = `quantize_int4(W)`: weight [N / 16, K / 8, 16, 4] uint8
-    nibble panels of codes c in 0..15, scales and mins [N / 16, K / 32, 16] float32, W ~ c * scale
+    nibble panels of codes c in 0..15, scales and mins [N / 16, K / 32, 16] float16, W ~ c * scale
     + min (`dequantize_int4`; llama.cpp's Q4_1). bias: [N] or None.
 
     x is quantized per row and group of 32 as llama.cpp's Q8_0 does: each group's dot product is

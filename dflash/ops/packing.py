@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+FLOAT16_MAX = 65504.0   # the largest float16: int4's scales and minimums are float16
 PANEL = 16   # output columns per panel of a panel_linear or quant_linear weight
 QUAD = 4     # inputs per 32-bit lane of a quad panel
 GROUP = 32   # inputs per int8 scale (llama.cpp's Q8_0 block)
@@ -118,10 +119,10 @@ def _check_quantizable(what: str, n: int, k: int) -> None:
                          f"rows and of {GROUP} columns")
 
 
-def _group_rows(t: torch.Tensor) -> torch.Tensor:
-    """[N, K / 32] per-group values -> [N / 16, K / 32, 16] float32 (the panels' order)."""
+def _group_rows(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K / 32] per-group values -> [N / 16, K / 32, 16] in `dtype` (the panels' order)."""
     n, groups = t.shape
-    return t.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+    return t.to(dtype).reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,11 +132,16 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     15 (0 for a constant group), scale and min then rounded to float16 as Q4_1 stores them; W ~
     code * scale + min. A weight whose values are exactly Q4_0's (scale * (code - 8), the
     scale a float16: a GGUF Q4_0 tensor) keeps that form instead (min = -8 * scale). Returns
-    (uint8 nibble panels [N / 16, K / 8, 16, 4], scales, mins [N / 16, K / 32, 16] float32).
-    A GGUF Q4_0 or Q4_1 tensor's values quantize back to its own codes and scales."""
+    (uint8 nibble panels [N / 16, K / 8, 16, 4], scales, mins [N / 16, K / 32, 16] float16).
+    A GGUF Q4_0 or Q4_1 tensor's values quantize back to its own codes and scales. Values beyond
+    float16's range (or NaN) raise a ValueError: no float16 minimum holds them."""
     n, k = weight.shape
     _check_quantizable("quantize_int4", n, k)
     v = weight.float().reshape(n, k // GROUP, GROUP)
+    largest = float(v.abs().max()) if v.numel() else 0.0
+    if not largest <= FLOAT16_MAX:   # NaN too
+        raise ValueError(f"quantize_int4: the weight holds {largest:g}; its float16 scales and "
+                         f"minimums hold values up to {FLOAT16_MAX:g} (keep it in int8 or float)")
     symmetric = _q4_0_form(v)
     if symmetric is not None:
         codes, scale = symmetric
@@ -165,13 +171,14 @@ def to_nibble_panels(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """4-bit codes [N, K] (uint8, 0..15) with group scales and minimums [N, K / 32] in
     `quant_linear`'s layout: uint8 nibble panels [N / 16, K / 8, 16, 4], byte [p, i, j, t] =
-    codes[16 p + j, 8 i + t] | codes[16 p + j, 8 i + 4 + t] << 4, and float32 scales and mins
-    [N / 16, K / 32, 16]."""
+    codes[16 p + j, 8 i + t] | codes[16 p + j, 8 i + 4 + t] << 4, and float16 scales and mins
+    [N / 16, K / 32, 16] (Q4_1's block fields; values beyond float16's become inf)."""
     n, k = codes.shape
     _check_quantizable("to_nibble_panels", n, k)
     c = codes.reshape(n // PANEL, PANEL, k // 8, 2, QUAD).to(torch.uint8)
     packed = c[:, :, :, 0] | (c[:, :, :, 1] << 4)          # [P, 16, K / 8, 4]
-    return packed.transpose(1, 2).contiguous(), _group_rows(scale), _group_rows(low)
+    return (packed.transpose(1, 2).contiguous(), _group_rows(scale, torch.float16),
+            _group_rows(low, torch.float16))
 
 
 def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
@@ -181,8 +188,8 @@ def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     p, vectors, _, _ = weight.shape
     b = weight.transpose(1, 2)                                  # [P, 16, K / 8, 4]
     codes = torch.stack([b & 15, b >> 4], dim=3).reshape(p * PANEL, vectors * 8).float()
-    s = scales.transpose(1, 2).reshape(p * PANEL, -1)
-    m = mins.transpose(1, 2).reshape(p * PANEL, -1)
+    s = scales.transpose(1, 2).reshape(p * PANEL, -1).float()
+    m = mins.transpose(1, 2).reshape(p * PANEL, -1).float()
     return (codes.view(p * PANEL, -1, GROUP) * s[..., None] + m[..., None]).reshape(codes.shape)
 
 
@@ -193,11 +200,11 @@ def dequantize_rows(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     embedding lookup through a quantized tied lm_head)."""
     panel, column = ids // PANEL, ids % PANEL
     lanes = weight[panel, :, column]                       # [n, K / 4 or K / 8, 4]
-    s = scales[panel, :, column]                           # [n, K / 32]
+    s = scales[panel, :, column].float()                   # [n, K / 32]
     n = ids.shape[0]
     if mins is None:
         q = lanes.reshape(n, -1).float() - 128
         return (q.view(n, -1, GROUP) * s[..., None]).view(n, -1)
     codes = torch.stack([lanes & 15, lanes >> 4], dim=2).reshape(n, -1).float()
-    m = mins[panel, :, column]
+    m = mins[panel, :, column].float()
     return (codes.view(n, -1, GROUP) * s[..., None] + m[..., None]).view(n, -1)

@@ -358,8 +358,8 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     else:
         b = weight.transpose(1, 2)
         wq = torch.stack([b & 15, b >> 4], dim=3).reshape(-1, k).float()
-    ws = scales.transpose(1, 2).reshape(wq.shape[0], -1)
-    wm = None if mins is None else mins.transpose(1, 2).reshape(wq.shape[0], -1)
+    ws = scales.transpose(1, 2).reshape(wq.shape[0], -1).float()
+    wm = None if mins is None else mins.transpose(1, 2).reshape(wq.shape[0], -1).float()
     acc = wq.new_zeros(xq.shape[0], wq.shape[0])
     for g in range(k // GROUP):
         cols = slice(g * GROUP, (g + 1) * GROUP)
