@@ -9,7 +9,10 @@ output head, stays Q8_0 in the 8- and 4-bit files, as llama.cpp's own 4-bit file
 or more); `dflash export-gguf` writes the bundled draft for llama.cpp's `draft-dflash`. Then, per
 format, on the same held-out questions, greedy, one at a time, with the same threads:
 
-- llama.cpp target-only: `llama-bench` tg128 (its standard decode figure);
+- llama.cpp target-only: `llama-bench` tg128 (its standard decode figure, over contexts of 0 to
+  128 tokens), and tg128 at the depth where its mean context equals that of dflash's decoding
+  (the prompt and half the generated tokens, averaged over the questions): attention grows with
+  the context, so this is the like-for-like figure;
 - llama.cpp DFlash: `llama-speculative-simple --spec-type draft-dflash` (decode tok/s, the
   prompt excluded);
 - dflash target-only and DFlash, loading the same GGUF file: F32 / BF16 at that dtype, Q8_0 as
@@ -117,9 +120,10 @@ def convert(bin_dir: Path, cache: Path) -> tuple[dict[str, Path], Path]:
     return targets, draft
 
 
-def llama_bench(bin_dir: Path, target: Path, threads: int) -> float:
+def llama_bench(bin_dir: Path, target: Path, threads: int, depth: int = 0) -> float:
+    """llama.cpp's decode tok/s over 128 tokens after `depth` tokens of context."""
     out = subprocess.run([bin_dir / "llama-bench", "-m", target, "-p", "0", "-n", "128",
-                          "-t", str(threads), "-r", "3", "-o", "json"],
+                          "-d", str(depth), "-t", str(threads), "-r", "3", "-o", "json"],
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out)[0]["avg_ts"]
 
@@ -216,6 +220,7 @@ def main(argv=None) -> int:
     targets, draft = convert(bin_dir, args.cache)
     with LLM(targets["Q4_0"], None) as llm:   # the files share one tokenizer
         prompts = [llm.chat_prompt(q) for q in load_dataset(args.dataset, args.num_prompts)]
+        prompt_lens = [len(llm.encode(q)) for q in prompts]
     rows = []
     for fmt in args.formats.split(","):
         greedy = llama_greedy(bin_dir, targets[fmt], prompts, args.max_tokens, threads)
@@ -223,8 +228,13 @@ def main(argv=None) -> int:
         texts, rate, tau = llama_dflash(bin_dir, targets[fmt], draft, prompts, args.max_tokens,
                                         threads, ours["block_size"])
         plain = llama_bench(bin_dir, targets[fmt], threads)
+        context = sum(n + len(ids) / 2 for n, ids in zip(prompt_lens, ours["plain"][3])) \
+            / len(prompts)   # dflash's mean context; tg128 at depth d averages d + 64
+        deep = llama_bench(bin_dir, targets[fmt], threads, max(0, round(context) - 64))
         rows.append({
             "weights": fmt, "llama.cpp target-only tok/s (tg128)": plain,
+            "mean context": round(context),
+            "llama.cpp target-only tok/s (same mean context)": deep,
             "llama.cpp DFlash tok/s": rate, "llama.cpp tau": tau,
             "llama.cpp DFlash texts = its target-only": equal(texts, greedy),
             "dflash target-only tok/s": ours["plain"][0], "dflash DFlash tok/s": ours["spec"][0],
@@ -233,6 +243,8 @@ def main(argv=None) -> int:
                 f"{sum(a == b for a, b in zip(ours['spec'][3], ours['plain'][3]))}"
                 f"/{len(prompts)}",
             "dflash DFlash / llama.cpp target-only": ours["spec"][0] / plain,
+            "dflash target-only / llama.cpp's (same mean context)": ours["plain"][0] / deep,
+            "dflash DFlash / llama.cpp target-only (same mean context)": ours["spec"][0] / deep,
             "texts = llama.cpp's (float32 activations)": equal(ours["float32"][2], greedy),
             "top-1 on llama.cpp's texts": f"{ours['agreement']:.1%}"})
         print(rows[-1], flush=True)
