@@ -113,6 +113,23 @@ def test_tree_rows_equal_their_causal_path_bit_for_bit_in_the_kernel(dtype, cont
         assert torch.equal(tree[i], chain[-1]), f"node {i}"
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chains_in_a_tree_call_equal_the_same_rows_without_a_mask_bit_for_bit(dtype):
+    """The kernel sends a sequence whose tree is a chain (its mask rows the causal mask) down the
+    causal path, one pass over the keys for all its rows: they must equal the rows of the same
+    call without a mask, bit for bit, whatever trees share the call (a bushy tree beside chains
+    of 1, 16 and 45 rows, the last more than one work item, over contexts on both sides of a
+    key tile). The bushy tree's rows, which see fewer keys, must differ from the causal ones."""
+    shapes = ("chain", "bushy", "chain", "chain")
+    args, parents = tree_case((31, 40, 7, 100), (16, 12, 1, 45), shapes, dtype, 9, 3, 64, 16,
+                              seed=7)
+    tree, causal = kernel(**args, tree_mask=tree_mask(parents)), kernel(**args)
+    cu = args["cu_query_lens"].tolist()
+    for b, shape in enumerate(shapes):
+        rows = slice(cu[b], cu[b + 1])
+        assert torch.equal(tree[rows], causal[rows]) == (shape == "chain"), f"sequence {b}"
+
 @pytest.fixture
 def emu():
     yield emu_ops()

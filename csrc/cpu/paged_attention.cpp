@@ -205,6 +205,7 @@ struct Args {
   T* out;
   const int32_t *block_table, *context_lens, *cu;
   const uint8_t* tree_mask;  // [Tq, mask_width] bits, or null (docs/design.md 3.2)
+  const uint8_t* chain;      // per sequence with a tree mask: whether its tree is a chain
   int64_t mask_width;
   int64_t head_dim, padded_dim, group, hkv, max_blocks, block_size;
   int64_t kc_stride[3], vc_stride[3];  // block, slot, head (the last dim is contiguous)
@@ -265,7 +266,13 @@ struct ItemView {
         ctx(a.context_lens[it.seq]),
         rows(it.row_end - it.row_begin),
         m((it.row_end - it.row_begin) * a.group),
-        table(a.block_table + it.seq * a.max_blocks) {}
+        table(a.block_table + it.seq * a.max_blocks),
+        tree(a.tree_mask != nullptr && !a.chain[it.seq]) {}
+  // Whether the rows take the tree path (run_item). A chain's mask is the causal mask, and the
+  // causal path computes each of its rows as the tree path would (the same keys in the same
+  // tiles; keys a row does not see get probability 0), with one pass over the keys for all rows
+  // instead of one pass per row over the keys past the shared context tiles.
+  bool tree;
   // A tree's row sees its context, then its path: its ancestors and itself, the set bits of its
   // mask row in order (`row`: the row's index among its sequence's new tokens). Its keys are read
   // in that order, so the row computes exactly what the last row of a causal chain of its path
@@ -284,7 +291,7 @@ struct ItemView {
   }
   // How many of the tile's keys [j0, j0 + keys) item row `row` sees.
   int64_t visible(const Args<T>& a, const Item& it, int64_t row, int64_t j0, int64_t keys) const {
-    if (!a.causal || a.tree_mask) return keys;
+    if (!a.causal || tree) return keys;
     return std::min(keys, ctx + it.row_begin + row + 1 - j0);
   }
   // The new token whose K/V is key j >= ctx.
@@ -469,7 +476,7 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     to_float(a.query + (token * a.hkv + h) * g * d, w.q.data() + i * g * d, g * d, a.scale);
   }
   reset_rows(w, v.m, a.padded_dim);
-  if (!a.tree_mask) {
+  if (!v.tree) {
     attend(a, it, v, w, 0, v.total(a, it), 0, v.m);
   } else {
     // The rows of a tree share their context: its whole key tiles go through every row at once.
@@ -598,6 +605,17 @@ bool uses_matrix_engine(const Args<T>& a, const Item& it) {
   return a.causal ? tokens >= kMatrixCausalTokens : tokens * a.group >= kMatrixRows;
 }
 
+// Whether rows [begin, end) of a tree mask (one sequence's) are the causal mask: row j sees new
+// tokens 0..j (bits past j are not read).
+bool is_chain(const uint8_t* mask, int64_t width, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const uint8_t* bits = mask + r * width;
+    for (int64_t j = 0; j <= r - begin; ++j)
+      if (!(bits[j / 8] >> (j % 8) & 1)) return false;
+  }
+  return true;
+}
+
 template <typename T>
 void run(const Args<T>& a, int64_t batch) {
   const int64_t rows_per_item = std::max<int64_t>(1, kQueryVectors / a.group);
@@ -661,9 +679,14 @@ at::Tensor paged_attention_into(const at::Tensor& query, const at::Tensor& key,
                                  table.data_ptr<int32_t>(), table.size(0), table.size(1),
                                  ctx.data_ptr<int32_t>(), cu.data_ptr<int32_t>());
   const auto mask = tree_mask ? tree_mask->contiguous() : at::Tensor();
-  if (tree_mask)
+  std::vector<uint8_t> chains;
+  if (tree_mask) {
     checks::tree_mask_values(mask.data_ptr<uint8_t>(), mask.size(1), cu.data_ptr<int32_t>(),
                              table.size(0));
+    for (int64_t b = 0; b < table.size(0); ++b)
+      chains.push_back(is_chain(mask.data_ptr<uint8_t>(), mask.size(1), cu.data_ptr<int32_t>()[b],
+                                cu.data_ptr<int32_t>()[b + 1]));
+  }
 
   if (into) checks::paged_attention_out(query, *into);
   auto out = into ? *into : at::empty_like(query, at::MemoryFormat::Contiguous);
@@ -687,6 +710,7 @@ at::Tensor paged_attention_into(const at::Tensor& query, const at::Tensor& key,
     a.cu = cu.data_ptr<int32_t>();
     a.tree_mask = tree_mask ? mask.data_ptr<uint8_t>() : nullptr;
     a.mask_width = tree_mask ? mask.size(1) : 0;
+    a.chain = chains.data();
     a.head_dim = query.size(2);
     a.padded_dim = round_up(a.head_dim, kV);
     a.hkv = key.size(1);
