@@ -113,7 +113,6 @@ def test_tree_rows_equal_their_causal_path_bit_for_bit_in_the_kernel(dtype, cont
         assert torch.equal(tree[i], chain[-1]), f"node {i}"
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_chains_in_a_tree_call_equal_the_same_rows_without_a_mask_bit_for_bit(dtype):
     """The kernel sends a sequence whose tree is a chain (its mask rows the causal mask) down the
@@ -129,6 +128,7 @@ def test_chains_in_a_tree_call_equal_the_same_rows_without_a_mask_bit_for_bit(dt
     for b, shape in enumerate(shapes):
         rows = slice(cu[b], cu[b + 1])
         assert torch.equal(tree[rows], causal[rows]) == (shape == "chain"), f"sequence {b}"
+
 
 @pytest.fixture
 def emu():

@@ -683,9 +683,9 @@ at::Tensor paged_attention_into(const at::Tensor& query, const at::Tensor& key,
   if (tree_mask) {
     checks::tree_mask_values(mask.data_ptr<uint8_t>(), mask.size(1), cu.data_ptr<int32_t>(),
                              table.size(0));
+    const int32_t* starts = cu.data_ptr<int32_t>();
     for (int64_t b = 0; b < table.size(0); ++b)
-      chains.push_back(is_chain(mask.data_ptr<uint8_t>(), mask.size(1), cu.data_ptr<int32_t>()[b],
-                                cu.data_ptr<int32_t>()[b + 1]));
+      chains.push_back(is_chain(mask.data_ptr<uint8_t>(), mask.size(1), starts[b], starts[b + 1]));
   }
 
   if (into) checks::paged_attention_out(query, *into);
