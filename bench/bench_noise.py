@@ -13,15 +13,13 @@ same process.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's dflash
 
 import torch  # noqa: E402
-from common import write  # noqa: E402
+from common import run_thread_cases  # noqa: E402
 
 from dflash.engine.cost_model import fastest_seconds  # noqa: E402
 from dflash.ops import reference  # noqa: E402
@@ -46,13 +44,7 @@ def case(batch: int, v: int, threads: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, help="torch threads (default: 1 and torch's choice)")
-    cli = parser.parse_args()
-    threads = [cli.threads] if cli.threads else sorted({1, torch.get_num_threads()})
-    print(f"load average {os.getloadavg()[0]:.1f}")
-    rows = [case(b, v, t) for b, v in SHAPES for t in threads]
-    write("noise" + (f"_{cli.threads}thread" if cli.threads else ""), rows, list(rows[0]))
+    run_thread_cases("noise", __doc__.split("\n")[0], case, SHAPES)
 
 
 if __name__ == "__main__":

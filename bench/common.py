@@ -66,6 +66,20 @@ def threads_option(description: str):
     return args
 
 
+def run_thread_cases(name: str, description: str, case, shapes) -> None:
+    """case(*shape, threads) for every shape, with --threads N threads or else with 1 and with
+    torch's default; the rows are written as `name` (`name`_Nthread with --threads)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--threads", type=int, help="torch threads (default: 1 and torch's choice)")
+    cli = parser.parse_args()
+    threads = [cli.threads] if cli.threads else sorted({1, torch.get_num_threads()})
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    rows = [case(*shape, t) for shape in shapes for t in threads]
+    write(name + (f"_{cli.threads}thread" if cli.threads else ""), rows, list(rows[0]))
+
+
 def machine() -> dict:
     """The host (CPU model, AMX / AVX512-BF16 / AVX-512 / AVX2 flags, threads, torch) and the CPU
     capability torch dispatches to."""

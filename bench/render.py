@@ -151,6 +151,11 @@ TABLES = [
      "exponential race per row), the same from the op's tensor-op reference (what other devices "
      "run), and torch's `exponential_` for the same shape; ratio: the first's time over the "
      "last's."),
+    ("top_k", "Greedy tokens and tree candidates", "python bench/bench_top_k.py",
+     "`ops.top_k` on bfloat16 logits against the torch calls it replaces in the engine: the "
+     "first argmax (`x.max(-1).indices`) and the draft tree's 8 candidates per position with "
+     "their softmax probabilities (`torch.softmax(x.float(), -1).topk(8)`); speedup: torch's "
+     "time over top_k's."),
 ]
 SERVE, VLLM = "bench_serve_gsm8k-heldout", "bench_vllm"
 NOT_RENDERED = {"bench_vllm_runs"}   # every run's counters behind bench_vllm.json's table

@@ -9,9 +9,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SCRIPTS = ["bench_context_kv.py", "bench_paged_attention.py", "bench_rejection_sample.py",
-           "bench_panel_linear.py", "bench_quant_linear.py", "bench_noise.py"]
+           "bench_panel_linear.py", "bench_quant_linear.py", "bench_noise.py", "bench_top_k.py"]
 TABLES = ["context_kv", "paged_attention", "paged_attention_target", "rejection_sample",
-          "rejection_sample_reads", "panel_linear", "quant_linear", "noise"]
+          "rejection_sample_reads", "panel_linear", "quant_linear", "noise", "top_k"]
 
 
 def main() -> int:

@@ -318,6 +318,14 @@ inline void rows_input(const char* op, const at::Tensor& x) {
   DFLASH_CHECK(x.size(-1) > 0, op, "x has shape ", shape_str(x), ", its last dim is empty");
 }
 
+// x [..., V] floats; 1 <= k <= V.
+inline void top_k_meta(const at::Tensor& x, int64_t k) {
+  constexpr const char* op = "top_k";
+  rows_input(op, x);
+  DFLASH_CHECK(k >= 1 && k <= x.size(-1), op, "k must be in [1, ", x.size(-1),
+               "] (x's last dim), got ", k);
+}
+
 inline void rms_norm_meta(const char* op, const at::Tensor& x, const at::Tensor& weight,
                           double eps) {
   rows_input(op, x);

@@ -36,6 +36,9 @@ TORCH_LIBRARY(dflash, m) {
   m.def(
       "philox_bits(Tensor seeds, Tensor offsets, int stream, int rows, int n, bool check=True) -> "
       "Tensor");
+  // Each row's k largest entries, or their softmax probabilities: the greedy tokens and the
+  // draft tree's candidates (docs/design.md 3.3.1) in one pass over the vocabulary.
+  m.def("top_k(Tensor x, int k, bool probs) -> (Tensor, Tensor)");
   // docs/design.md section 3.4: the decoder layer's small ops, each one call instead of several ATen
   // calls (csrc/cpu/layer_ops.cpp; the PyTorch reference serves other devices).
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

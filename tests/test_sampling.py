@@ -228,6 +228,22 @@ def test_verify_of_a_greedy_batch_equals_the_op_on_one_hot_targets():
         sampling.greedy_accept(drafts, best[:, :k])
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_verify_without_drafts_emits_each_rows_argmax(mixed):
+    """Plain decoding (every k = 0): one token per row, its argmax (first on ties), in an
+    all-greedy batch (its shortcut) as in a batch with a sampled row (rejection_sample)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 4, (8, 50), generator=g).float()
+    params = [SamplingParams()] * 8
+    if mixed:
+        params[3] = SamplingParams(temperature=0.7, seed=3)
+    out, n = sampling.verify(torch.zeros(8, 15, dtype=torch.int64), None, logits, [0] * 8,
+                             params, list(range(8)), [0] * 8)
+    want = logits.argmax(-1).tolist()
+    assert n == [0] * 8 and len(out) == 8 and all(len(row) == 1 for row in out)
+    assert [row[0] for i, row in enumerate(out) if i != 3] == want[:3] + want[4:]
+
+
 def test_greedy_follows_logits_argmax_through_near_ties():
     # two logits one float32 ulp apart: softmax rounds them to the same probability, the
     # one-hot target keeps the true argmax; exact ties go to the first index

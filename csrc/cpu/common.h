@@ -71,6 +71,12 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   }
 }
 
+// Scratch floats a row pass needs for `n` values of T (as_float's): none for float, read in place.
+template <typename T>
+constexpr int64_t scratch_for(int64_t n) {
+  return std::is_same_v<T, float> ? 0 : n;
+}
+
 // src[0:n] as float32: src itself for float, else converted into `scratch`.
 template <typename T>
 const float* as_float(const T* src, float* scratch, int64_t n) {

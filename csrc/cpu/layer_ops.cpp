@@ -19,12 +19,6 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 
-// Scratch floats a row pass needs for `n` values of T: none for float, which works in place.
-template <typename T>
-constexpr int64_t scratch_for(int64_t n) {
-  return std::is_same_v<T, float> ? 0 : n;
-}
-
 // Where a float32 result for dst goes before its one rounding: dst itself for float.
 template <typename T>
 float* result_buffer(T* dst, float* scratch) {

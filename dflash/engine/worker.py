@@ -26,7 +26,7 @@ from itertools import accumulate
 
 import torch
 
-from .. import sampling
+from .. import ops, sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
 from ..models.layers import build_metadata, pack_linear_weight
 from ..sampling import noise
@@ -361,8 +361,7 @@ class Worker:
         logits = draft_logits(self.target, self.draft, self.draft_head,
                               inputs.tokens.view(len(reqs), inputs.block_size), inputs.meta,
                               self.draft_cache, inputs.num_drafts)
-        probs, ids = torch.softmax(logits.float(), -1).topk(
-            min(TREE_TOP_K, logits.shape[-1]), dim=-1)
+        probs, ids = ops.top_k(logits, min(TREE_TOP_K, logits.shape[-1]), probs=True)
         if self.draft_vocab is not None:
             ids = self.draft_vocab[ids]
         probs, ids = probs.tolist(), ids.tolist()   # one host sync: the trees are host lists

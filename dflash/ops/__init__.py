@@ -173,6 +173,17 @@ def philox_bits(seeds: torch.Tensor, offsets: torch.Tensor, stream: int, rows: i
     return torch.ops.dflash.philox_bits(seeds, offsets, stream, rows, n, check)
 
 
+def top_k(x: torch.Tensor, k: int, probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest entries of x [..., V] (float32 / bfloat16 / float16), largest first
+    and lower index first among equal ones, NaN above every number (as torch.sort and torch.max
+    rank it).
+
+    Returns (values, indices): float32 [..., k], the entries or, with `probs`, their softmax
+    probabilities over the whole row (computed in float32); int64 [..., k]. k = 1 is the first
+    argmax."""
+    return torch.ops.dflash.top_k(x, k, probs)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in float32, rounded once: x [..., H] -> [..., H] in x's dtype.
 

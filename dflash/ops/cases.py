@@ -132,6 +132,19 @@ def tree_mask(parents: list[list[int]], width: int | None = None) -> torch.Tenso
     return (bits << torch.arange(8)).sum(-1).to(torch.uint8)
 
 
+def top_k_inputs(dtype=torch.float32, rows=6, v=1000, k=8, probs=True):
+    """Rows of logits with what ranks them the hard way: a row of integers (many ties at the top),
+    a NaN (ranked first; NaN probabilities), +inf, a row of -inf (NaN probabilities) and an
+    increasing row (each entry beats the ones before)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, v, generator=g) * 4
+    x[0] = x[0].round()
+    x[1, v // 2], x[1, -1] = float("nan"), float("inf")
+    x[2] = float("-inf")
+    x[3] = torch.arange(v)
+    return {"x": x.to(dtype), "k": k, "probs": probs}
+
+
 def philox_bits_inputs(sequences=3, stream=1, rows=2, n=4099):
     """Keys and offsets at the words' extremes (0 and 2**32 - 1) and between; n not a multiple of
     4, so the last counter is cut."""

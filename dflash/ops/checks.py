@@ -289,13 +289,20 @@ def rejection_sample_values(draft_token_ids, draft_probs, target_probs, uniform,
 
 # ---------------------------------------------------------------------------------------------
 # layer ops: rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache, panel_linear,
-# quant_linear
+# quant_linear; and top_k, which reads rows as they do
 # ---------------------------------------------------------------------------------------------
 
 def _rows_input(op: str, x) -> None:
     """`x` [..., H] is a float tensor of rank >= 1 with a non-empty last dim."""
     check_tensor(op, "x", x, FLOAT_DTYPES, max(x.dim(), 1) if isinstance(x, torch.Tensor) else 1)
     require(x.shape[-1] > 0, op, f"x has shape {_shape(x)}, its last dim is empty")
+
+
+def top_k_meta(x, k) -> None:
+    """x [..., V] floats; 1 <= k <= V."""
+    op = "top_k"
+    _rows_input(op, x)
+    require(1 <= k <= x.shape[-1], op, f"k must be in [1, {x.shape[-1]}] (x's last dim), got {k}")
 
 
 def rms_norm_meta(x, weight, eps, op: str = "rms_norm") -> None:

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference implementations of the dflash operators (docs/design.md section 3): the
-three of sections 3.1-3.3, the sampling noise's `philox_bits` and the decoder layer's small ops
-(rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache, panel_linear, quant_linear).
+three of sections 3.1-3.3, the sampling noise's `philox_bits`, `top_k` and the decoder layer's
+small ops (rms_norm, add_rms_norm, silu_and_mul, rope, qkv_rope_cache, panel_linear, quant_linear).
 
 This module is the executable specification: every kernel (C++ CPU, Ascend C under emulation, NPU)
 is tested against it. It is written to be obviously right, not fast: explicit per-sequence loops,
@@ -265,6 +265,24 @@ def philox_bits(seeds, offsets, stream, rows, n, check=True):
     lanes = philox4x32((element, offsets.view(-1, 1, 1), stream, row),
                        (seeds[:, 0].view(-1, 1, 1), seeds[:, 1].view(-1, 1, 1)))
     return torch.stack(lanes, -1).flatten(-2)[..., :n].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# top_k: a stable sort, whose order among equal values is the index order.
+# ---------------------------------------------------------------------------------------------
+
+def top_k(x: torch.Tensor, k: int, probs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest entries of x [..., V], largest first and lower index first among
+    equal ones, NaN above every number (torch.sort's order, and torch.max's): (float32 values
+    [..., k], int64 indices [..., k]). With `probs` the values are the entries' softmax
+    probabilities over the whole row (float32)."""
+    checks.top_k_meta(x, k)
+    y = x.float()
+    values, indices = torch.sort(y, dim=-1, descending=True, stable=True)
+    values, indices = values[..., :k], indices[..., :k]
+    if probs:
+        values = torch.softmax(y, dim=-1).gather(-1, indices)
+    return values.contiguous(), indices.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@
 * Every op gets a fake (meta) implementation here, so `torch.compile` and graph capture can
   trace it.
 * An op without a compiled CPU kernel falls back to its PyTorch reference for the CPU key. The
-  layer ops and philox_bits (CPU_ONLY_OPS) have CPU kernels only; their reference serves every
-  other device.
+  layer ops, philox_bits and top_k (CPU_ONLY_OPS) have CPU kernels only; their reference serves
+  every other device.
 * When the NPU build (`setup.py --device npu`) produced `dflash._npu_kernels`, torch_npu is
   imported and that library registers the PrivateUse1 (NPU) kernels. A CPU-only install never
   imports torch_npu.
@@ -27,9 +27,9 @@ from .packing import PANEL
 
 LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope", "qkv_rope_cache",
              "panel_linear", "quant_linear")
-OPS = ("context_kv", "paged_attention", "rejection_sample", "philox_bits", *LAYER_OPS)
+OPS = ("context_kv", "paged_attention", "rejection_sample", "philox_bits", "top_k", *LAYER_OPS)
 # ops with CPU kernels only: their reference serves every other device
-CPU_ONLY_OPS = ("philox_bits", *LAYER_OPS)
+CPU_ONLY_OPS = ("philox_bits", "top_k", *LAYER_OPS)
 # ops composed of the others in C++ for every device (CompositeImplicitAutograd): no kernel,
 # reference or fake of their own
 COMPOSITE_OPS = ("decoder_layer",)
@@ -135,6 +135,13 @@ def _rejection_sample_out_fake(draft_token_ids, draft_probs, target_probs, is_gr
 def _philox_bits_fake(seeds, offsets, stream, rows, n, check=True):
     checks.philox_bits_meta(seeds, offsets, stream, rows, n)
     return seeds.new_empty(seeds.shape[0], rows, n)
+
+
+@torch.library.register_fake("dflash::top_k")
+def _top_k_fake(x, k, probs):
+    checks.top_k_meta(x, k)
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int64)
 
 
 @torch.library.register_fake("dflash::rms_norm")

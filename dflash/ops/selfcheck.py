@@ -16,6 +16,7 @@ CASES = {
         dtype=dtype),
     "rejection_sample": lambda dtype: cases.rejection_sample_inputs(bs=4, k=15, v=1000),
     "philox_bits": lambda dtype: cases.philox_bits_inputs(),
+    "top_k": lambda dtype: cases.top_k_inputs(dtype),
     **{op: lambda dtype, make=make: make(dtype) for op, make in cases.LAYER_OP_INPUTS.items()},
 }
 

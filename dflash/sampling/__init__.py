@@ -136,9 +136,8 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim, first index on ties. torch.max returns the same index and is
-    several times faster than torch.argmax for bf16 on CPU."""
-    return x.max(-1).indices
+    """argmax over the last dim, first index on ties (`ops.top_k` with k = 1)."""
+    return ops.top_k(x, 1)[1][..., 0]
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -214,6 +213,8 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, logi
     for k in num_drafts:
         starts.append(starts[-1] + k + 1)
     if all(p.is_greedy for p in params):
+        if not any(num_drafts):   # plain decoding: each row's token is its argmax
+            return [[t] for t in first_argmax(logits).tolist()], [0] * bs
         # padded to [Bs, K + 1]: drafts past k never match (-1), so acceptance stops at k
         rows = torch.tensor([i * (width + 1) + j for i, k in enumerate(num_drafts)
                              for j in range(k + 1)], device=device)
