@@ -23,22 +23,14 @@ constexpr int64_t kV = fVec::size();
 // increasing values inserts every entry); larger k take a partial sort, O(V log k) for any row.
 constexpr int64_t kMaxInsertionK = 32;
 
-// Whether x[0:n] holds a NaN.
-bool has_nan(const float* x, int64_t n) {
-  fVec nan(0.f);
-  int64_t i = 0;
-  for (; i + kV <= n; i += kV) nan = nan | fVec::loadu(x + i).isnan();
-  bool any = nan.zero_mask() != (1 << kV) - 1;
-  for (; i < n; ++i) any = any || std::isnan(x[i]);
-  return any;
-}
-
-// The k best of x[0:n] (no NaN) into value / index, best first: x[i] enters when it beats the
-// k-th best kept so far, so among equal values the earlier entry stays.
-void select_by_insertion(const float* x, int64_t n, int64_t k, float* value, int64_t* index) {
+// The k best of x[0:n] into value / index, best first: x[i] enters when it beats the k-th best
+// kept so far, so among equal values the earlier entry stays. Returns false at the first NaN
+// (value / index then hold a part of the answer: the caller sorts instead).
+bool select_by_insertion(const float* x, int64_t n, int64_t k, float* value, int64_t* index) {
   int64_t count = 0;
   const auto offer = [&](int64_t i) {
-    if (count == k && !(x[i] > value[k - 1])) return;
+    if (std::isnan(x[i])) return false;
+    if (count == k && !(x[i] > value[k - 1])) return true;
     int64_t p = count < k ? count++ : k - 1;
     for (; p > 0 && value[p - 1] < x[i]; --p) {
       value[p] = value[p - 1];
@@ -46,19 +38,23 @@ void select_by_insertion(const float* x, int64_t n, int64_t k, float* value, int
     }
     value[p] = x[i];
     index[p] = i;
+    return true;
   };
-  for (int64_t i = 0; i < k; ++i) offer(i);
+  for (int64_t i = 0; i < k; ++i)
+    if (!offer(i)) return false;
   fVec threshold(value[k - 1]);
   int64_t i = k;
   for (; i + kV <= n; i += kV) {
-    // lanes whose comparison is false are zero; the rest are all ones (not zero)
-    uint32_t beats = ~static_cast<uint32_t>((fVec::loadu(x + i) > threshold).zero_mask()) &
-                     ((uint32_t{1} << kV) - 1);
-    if (beats == 0) continue;
-    for (; beats != 0; beats &= beats - 1) offer(i + __builtin_ctz(beats));
+    // the lanes that beat the threshold or hold a NaN: those where `<=` is false (zero)
+    uint32_t offered = static_cast<uint32_t>((fVec::loadu(x + i) <= threshold).zero_mask());
+    if (offered == 0) continue;
+    for (; offered != 0; offered &= offered - 1)
+      if (!offer(i + __builtin_ctz(offered))) return false;
     threshold = fVec(value[k - 1]);
   }
-  for (; i < n; ++i) offer(i);
+  for (; i < n; ++i)
+    if (!offer(i)) return false;
+  return true;
 }
 
 // The same order for any k and any row: (value descending with NaN first, index ascending).
@@ -107,11 +103,8 @@ std::tuple<at::Tensor, at::Tensor> top_k(const at::Tensor& x, int64_t k, bool pr
       const float* row = as_float(xp + r * n, scratch, n);
       float* value = vp + r * k;
       int64_t* index = ip + r * k;
-      if (k <= kMaxInsertionK && !has_nan(row, n)) {
-        select_by_insertion(row, n, k, value, index);
-      } else {
+      if (k > kMaxInsertionK || !select_by_insertion(row, n, k, value, index))
         select_by_sort(row, n, k, value, index);
-      }
       if (probs) to_probabilities(row, n, k, value);
     });
   });
