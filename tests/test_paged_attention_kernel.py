@@ -7,11 +7,13 @@ combination, one sequence per call) is marked slow.
 """
 
 import itertools
+import os
 import random
 
 import pytest
 import torch
 
+from dflash import host
 from dflash.ops import reference, registry
 from dflash.ops.cases import paged_attention_inputs
 
@@ -241,6 +243,38 @@ def test_empty_batches_and_empty_query_ranges():
     none["context_lens"] = none["context_lens"][:0]
     none["cu_query_lens"] = none["cu_query_lens"][:1]
     assert kernel(**none).shape == (0, 4, 8)
+
+
+WIDENED = """
+import sys, torch
+from dflash import ops
+torch.save([ops.paged_attention(**args) for args in torch.load(sys.argv[1])], sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(registry.CPU_CAPABILITY != "AVX512" or not host.describe()["avx512_bf16"],
+                    reason="the AVX-512 build's two bf16 paths need a CPU with AVX512-BF16")
+def test_bf16_pair_dots_and_widened_scores_both_match_the_reference(tmp_path):
+    """bf16 Q.K takes VDPBF16PS where the CPU has it; ONEDNN_MAX_CPU_ISA=AVX512_CORE hides it (a
+    CPU without bf16 units), and the same calls widen K to float32 instead. Both match the
+    reference, on head dims that fill 16-pair vectors and ones that do not (and an odd one, which
+    always widens); that the outputs are not all equal shows the limit switched the path."""
+    import subprocess
+    import sys
+
+    cases = [paged_attention_inputs(context_lens=(40, 3, 70), query_lens=(5, 16, 1), hq=6, hkv=2,
+                                    d=d, block_size=16, causal=causal, dtype=torch.bfloat16,
+                                    seed=d)
+             for d in (8, 24, 64, 72, 128, 15) for causal in (False, True)]
+    torch.save(cases, tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", WIDENED, tmp_path / "inputs.pt", tmp_path / "out.pt"],
+                   env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, check=True)
+    widened = torch.load(tmp_path / "out.pt")
+    tol = TOLERANCE[torch.bfloat16]
+    for args, other in zip(cases, widened, strict=True):
+        assert_matches_reference(args)
+        torch.testing.assert_close(other, reference.paged_attention(**args), atol=tol, rtol=tol)
+    assert not all(torch.equal(kernel(**args), other) for args, other in zip(cases, widened))
 
 
 def test_single_thread_and_all_threads_agree_bitwise():

@@ -40,6 +40,24 @@ inline std::string isa_limit() {
   return isa;
 }
 
+// Whether the AVX-512 build may use VDPBF16PS: the CPU has it and oneDNN's ISA limit admits it
+// (the limits host.BF16_DOT_ISA_LIMITS lists), so `ONEDNN_MAX_CPU_ISA=AVX512_CORE` runs a host
+// without bf16 units on one that has them.
+inline bool has_bf16_dot_products() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool has = [] {
+    const std::string isa = isa_limit();
+    for (const char* admits : {"", "ALL", "DEFAULT", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+                               "AVX512_CORE_BF16", "AVX512_CORE_FP16"})
+      if (isa == admits) return __builtin_cpu_supports("avx512bf16") != 0;
+    return false;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 // Elements of work a thread must get before a pass goes parallel: waking pool threads costs tens
 // of microseconds (far more on a busy machine), so small calls run on the calling thread.
 constexpr int64_t kMinWorkPerThread = 1 << 18;

@@ -5,11 +5,12 @@
 // are processed together as the rows of one [m = rows * group, D] float32 matrix, so every K/V row
 // is read (and converted to float32) once per item. Keys stream through in tiles of kKeyTile,
 // and each block of rows of that matrix goes through
-//   scores S = Q K^T (register-blocked micro-kernel over a transposed float32 K tile),
+//   scores S = Q K^T (register-blocked micro-kernel over a transposed float32 K tile; for bf16
+//     inputs on a CPU with AVX512-BF16, over a tile of bf16 dim pairs, see score_pairs),
 //   online softmax in float32 (a per-row reference point and partial sums, see softmax_row),
 //   O += P V (register-blocked micro-kernel over the float32 V tile).
-// Inputs are converted to float32 on load, everything accumulates in float32, and the output is
-// rounded once to the input dtype.
+// Inputs are converted to float32 on load (the pair path multiplies bf16 pairs exactly instead),
+// everything accumulates in float32, and the output is rounded once to the input dtype.
 // bf16 / fp16 draft blocks and long prompts (see uses_matrix_engine) run both products on the
 // CPU's matrix engine instead (AMX on Sapphire Rapids, through ATen's brgemm; see
 // run_item_matrix).
@@ -86,11 +87,15 @@ void for_row_blocks(int64_t rows, F&& f, int64_t first = 0) {
   }
 }
 
+// Asks for row[0:n] in L2 (common.h). A decode step's K/V come from memory (the layers' weights stream
+// through the caches between two attention calls), and a key tile is 128 lines at D = 64: into
+// L1, whose few miss buffers they fill, the prefetches of the next tile stalled the loads of this
+// one (the attention of a SmolLM2 Q8_0 decode step at 256 cached tokens measured 1.14 ms with
+// them, 0.65 ms with L2's).
 template <typename T>
-void prefetch(const T* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+void prefetch_row(const T* row, int64_t n) {
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
+    prefetch_to_l2(row, off);
 }
 
 template <typename T>
@@ -211,6 +216,7 @@ struct Args {
   int64_t kc_stride[3], vc_stride[3];  // block, slot, head (the last dim is contiguous)
   float scale;
   bool causal;
+  bool pair_dots;  // Q.K through VDPBF16PS (bf16 inputs, even head_dim; score_pairs)
 };
 
 struct Item {
@@ -229,14 +235,15 @@ constexpr bool kConvertedKeyRows = true;
 // 32-bit pairs of 16-bit values).
 struct Scratch {
   std::vector<float> q, o, s, k, kt, v, row_ref, row_sum;  // row_sum: kV partial sums per row
+  std::vector<uint32_t> q_pairs;  // the pair path's query rows: [m][d / 2] pairs of bf16
   // The matrix path's buffers, allocated only when an item of the call takes that path.
   std::vector<uint16_t> q16, p16;
-  std::vector<uint32_t> kt_pairs, v_pairs;
-  std::vector<uint16_t> stage;  // K or V rows of one matrix-path tile, gathered
+  std::vector<uint32_t> kt_pairs, v_pairs;  // kt_pairs: the pair path's K tile too
+  std::vector<uint16_t> stage;              // K or V rows of one matrix-path tile, gathered
   bool used_matrix_engine = false;
   // m: the most rows (query tokens x group) an item of the call has. A decode call gets buffers
   // of a few KB: zero-filling buffers for the largest possible item cost more than its attention.
-  Scratch(int64_t m, int64_t d, int64_t dp, bool matrix)
+  Scratch(int64_t m, int64_t d, int64_t dp, bool matrix, bool pairs)
       : q(m * d),
         o(m * dp),
         s(m * (matrix ? kMatrixKeys : kKeyTile)),
@@ -244,7 +251,9 @@ struct Scratch {
         kt(d * kKeyTile),
         v(kKeyTile * dp),
         row_ref(m),
-        row_sum(m * kV) {
+        row_sum(m * kV),
+        q_pairs(pairs ? m * d / 2 : 0),
+        kt_pairs(pairs ? d / 2 * kKeyTile : 0) {
     if (matrix) {
       q16.resize(m * d);
       p16.resize(2 * m * kMatrixKeys);
@@ -366,10 +375,29 @@ inline void transpose_16x16(__m512 v[16]) {
     v[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
   }
 }
+
+// dst[i][t] = float(rows[t][i]) for t < keys, i < cols (rows of kKeyTile), converted and
+// transposed 16 x 16 in registers. A part block repeats its first row: its columns past `keys`
+// are never read as scores (softmax_row masks them), only kept finite.
+template <typename E>
+void transpose_tile(const E* const* rows, int64_t keys, int64_t cols, float* dst) {
+  for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+    const E* r[16];
+    for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + t < keys ? t0 + t : t0];
+    for (int64_t c = 0; c < cols; c += 16) {
+      const int64_t n = std::min<int64_t>(16, cols - c);
+      __m512 v[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) v[t] = load_16(r[t] + c, n);
+      transpose_16x16(v);
+      for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(dst + (c + i) * kKeyTile + t0, v[i]);
+    }
+  }
+}
 #endif
 
 // kt[i][t] = float(key t's dim i) for the tile's `keys` keys. The AVX-512 build converts and
-// transposes 16 keys x 16 dims in registers: converting the tile to float32 rows and transposing
+// transposes in registers (transpose_tile): converting the tile to float32 rows and transposing
 // those with ATen's runtime-sized transpose_mxn (whose blocks go through memory) made calls of
 // decode and tree-verify shapes 6-19% slower. Elsewhere the converted rows are transposed. The
 // values are the same either way.
@@ -377,24 +405,92 @@ template <typename T>
 void transpose_keys(const T* const* rows, int64_t keys, int64_t d, [[maybe_unused]] int64_t dp,
                     Scratch& w) {
 #if defined(CPU_CAPABILITY_AVX512)
-  for (int64_t t0 = 0; t0 < keys; t0 += 16) {
-    // a part block repeats its first key: its columns past `keys` are never read as scores
-    // (softmax_row masks them), only kept finite
-    const T* r[16];
-    for (int64_t t = 0; t < 16; ++t) r[t] = rows[t0 + t < keys ? t0 + t : t0];
-    for (int64_t c = 0; c < d; c += 16) {
-      const int64_t n = std::min<int64_t>(16, d - c);
-      __m512 v[16];
-#pragma GCC unroll 16
-      for (int t = 0; t < 16; ++t) v[t] = load_16(r[t] + c, n);
-      transpose_16x16(v);
-      for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(w.kt.data() + (c + i) * kKeyTile + t0, v[i]);
-    }
-  }
+  transpose_tile(rows, keys, d, w.kt.data());
 #else
   for (int64_t t = 0; t < keys; ++t) to_float(rows[t], w.k.data() + t * dp, d);
   at::vec::transpose_mxn<float>(w.k.data(), dp, w.kt.data(), kKeyTile, keys, d);
 #endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The pair path's K tile: kt[i][t] = dims 2i, 2i + 1 of key t as one 32-bit word, a transpose of
+// the keys' [keys][d / 2] words (bit moves, done as float32): half the transposes of
+// transpose_keys, and no conversion.
+void transpose_key_pairs(const c10::BFloat16* const* rows, int64_t keys, int64_t d, uint32_t* kt) {
+  std::array<const float*, kKeyTile> words;
+  for (int64_t t = 0; t < keys; ++t) words[t] = reinterpret_cast<const float*>(rows[t]);
+  transpose_tile(words.data(), keys, d / 2, reinterpret_cast<float*>(kt));
+}
+
+// s[R][kKeyTile] = scale * (q[R] . k) for the columns [0, cols): q's rows as [words] bf16 pairs
+// (unscaled), kt as transpose_key_pairs writes it. VDPBF16PS multiplies both pairs' bf16 values
+// exactly and adds them to float32 sums: half the instructions of score_block, which multiplies
+// the same values widened to float32 (the sums differ in their order of additions only, and the
+// scale comes after them instead of before). Every row is computed this way whatever the rows of
+// its call, so decoding and verifying rows still agree bit for bit.
+template <int R>
+__attribute__((target("avx512bf16"))) void score_pairs(const uint32_t* q, int64_t ldq,
+                                                       const uint32_t* kt, int64_t words,
+                                                       int64_t cols, float scale, float* s) {
+  for (int64_t c = 0; c < cols; c += kScoreVecs * kV) {
+    __m512 acc[R][kScoreVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kScoreVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < words; ++i) {
+      __m512bh k[kScoreVecs];
+      for (int v = 0; v < kScoreVecs; ++v)
+        k[v] = (__m512bh)_mm512_loadu_si512(kt + i * kKeyTile + c + v * kV);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(q[r * ldq + i]));
+        for (int v = 0; v < kScoreVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], qb, k[v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kScoreVecs; ++v)
+        _mm512_storeu_ps(s + r * kKeyTile + c + v * kV,
+                         _mm512_mul_ps(acc[r][v], _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
+// The item's query rows in scratch: float32 and scaled, or for the pair path the bf16 values.
+template <typename T>
+void load_queries(const Args<T>& a, const Item& it, const ItemView<T>& v, Scratch& w) {
+  const int64_t d = a.head_dim, g = a.group;
+  // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
+  // adjacent in memory, so each query row contributes one contiguous [g * d] run.
+  for (int64_t i = 0; i < v.rows; ++i) {
+    const T* q = a.query + ((v.start + it.row_begin + i) * a.hkv + it.head) * g * d;
+    if (a.pair_dots) {
+      std::memcpy(w.q_pairs.data() + i * g * d / 2, q, g * d * sizeof(T));
+    } else {
+      to_float(q, w.q.data() + i * g * d, g * d, a.scale);
+    }
+  }
+}
+
+// The key tile in scratch: transposed to float32 (transpose_keys), or to pairs for the pair path.
+template <typename T>
+void load_keys(const Args<T>& a, const T* const* rows, int64_t keys, Scratch& w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (a.pair_dots) return transpose_key_pairs(rows, keys, a.head_dim, w.kt_pairs.data());
+  }
+#endif
+  transpose_keys(rows, keys, a.head_dim, a.padded_dim, w);
+}
+
+// Scores of scratch rows [row, row + R) against the key tile (load_keys), scaled.
+template <int R, typename T>
+void scores(const Args<T>& a, Scratch& w, int64_t row, int64_t cols) {
+  const int64_t d = a.head_dim;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (a.pair_dots) {
+    return score_pairs<R>(w.q_pairs.data() + row * d / 2, d / 2, w.kt_pairs.data(), d / 2, cols,
+                          a.scale, w.s.data() + row * kKeyTile);
+  }
+#endif
+  score_block<R>(w.q.data() + row * d, d, w.kt.data(), d, cols, w.s.data() + row * kKeyTile);
 }
 
 // Fresh accumulators and softmax state for m rows.
@@ -437,11 +533,11 @@ void attend(const Args<T>& a, const Item& it, const ItemView<T>& v, Scratch& w, 
     const int64_t next = std::min(kKeyTile, j_end - j0 - keys);
     tile_rows(j0 + keys, next, next_krows, next_vrows);
     for (int64_t t = 0; t < next; ++t) {
-      prefetch(next_krows[t], d);
-      prefetch(next_vrows[t], d);
+      prefetch_row(next_krows[t], d);
+      prefetch_row(next_vrows[t], d);
     }
     for (int64_t t = 0; t < keys; ++t) to_float(vrows[t], w.v.data() + t * dp, d);
-    transpose_keys(krows.data(), keys, d, dp, w);
+    load_keys(a, krows.data(), keys, w);
     std::swap(krows, next_krows);
     std::swap(vrows, next_vrows);
     const int64_t cols = round_up(keys, kScoreVecs * kV);
@@ -452,8 +548,7 @@ void attend(const Args<T>& a, const Item& it, const ItemView<T>& v, Scratch& w, 
         r_end,
         [&](auto block, int64_t row) {
           constexpr int R = decltype(block)::value;
-          score_block<R>(w.q.data() + row * d, d, w.kt.data(), d, cols,
-                         w.s.data() + row * kKeyTile);
+          scores<R>(a, w, row, cols);
           for (int64_t r = row; r < row + R; ++r) {
             const int64_t visible = v.visible(a, it, r / g, j0, keys);
             softmax_row(w.s.data() + r * kKeyTile, visible, vcols, w.row_ref[r],
@@ -467,14 +562,9 @@ void attend(const Args<T>& a, const Item& it, const ItemView<T>& v, Scratch& w, 
 
 template <typename T>
 void run_item(const Args<T>& a, const Item& it, Scratch& w) {
-  const int64_t d = a.head_dim, g = a.group, h = it.head;
+  const int64_t g = a.group;
   ItemView<T> v(a, it);
-  // Query row i of the item, head j of the group, is scratch row i * g + j: the group's heads are
-  // adjacent in memory, so each query row contributes one contiguous [g * d] run.
-  for (int64_t i = 0; i < v.rows; ++i) {
-    const int64_t token = v.start + it.row_begin + i;
-    to_float(a.query + (token * a.hkv + h) * g * d, w.q.data() + i * g * d, g * d, a.scale);
-  }
+  load_queries(a, it, v, w);
   reset_rows(w, v.m, a.padded_dim);
   if (!v.tree) {
     attend(a, it, v, w, 0, v.total(a, it), 0, v.m);
@@ -646,7 +736,7 @@ void run(const Args<T>& a, int64_t batch) {
                               : std::min<int64_t>(at::get_num_threads(), items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch(max_rows * a.group, a.head_dim, a.padded_dim, any_matrix);
+    Scratch scratch(max_rows * a.group, a.head_dim, a.padded_dim, any_matrix, a.pair_dots);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
       if constexpr (!std::is_same_v<T, float>) {
@@ -723,6 +813,8 @@ at::Tensor paged_attention_into(const at::Tensor& query, const at::Tensor& key,
     }
     a.scale = static_cast<float>(scale);
     a.causal = causal;
+    a.pair_dots =
+        std::is_same_v<scalar_t, c10::BFloat16> && has_bf16_dot_products() && a.head_dim % 2 == 0;
     run(a, table.size(0));
   };
   switch (query.scalar_type()) {  // paged_attention_meta admitted only these

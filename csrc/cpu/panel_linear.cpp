@@ -83,16 +83,6 @@ inline std::pair<fVec, fVec> split_pairs(const uint32_t* q) {
 #endif
 }
 
-// Whether this CPU executes VDPBF16PS (only the AVX-512 build uses it).
-bool has_bf16_dot_products() {
-#if defined(CPU_CAPABILITY_AVX512)
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
-}
-
 // Threads split the panels; each walks its share in tiles of NP panels and, inside a tile, blocks
 // of MR rows of x that share each weight load (NP * MR * kVecs accumulators in registers). Few
 // rows want more panels (independent FMA chains), more rows want more rows per weight load.
