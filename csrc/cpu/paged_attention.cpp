@@ -312,19 +312,24 @@ struct ItemView {
 template <typename T>
 void kv_rows(const Args<T>& a, const ItemView<T>& v, int64_t h, int64_t j0, int64_t count,
              const T** krows, const T** vrows) {
-  int64_t blk = v.ctx > j0 ? j0 / a.block_size : 0, slot = v.ctx > j0 ? j0 % a.block_size : 0;
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t j = j0 + t;
-    if (j < v.ctx) {
-      krows[t] =
-          a.key_cache + v.table[blk] * a.kc_stride[0] + slot * a.kc_stride[1] + h * a.kc_stride[2];
-      vrows[t] = a.value_cache + v.table[blk] * a.vc_stride[0] + slot * a.vc_stride[1] +
-                 h * a.vc_stride[2];
-      if (++slot == a.block_size) slot = 0, ++blk;
-    } else {
-      krows[t] = a.key + ((v.start + v.new_token(j)) * a.hkv + h) * a.head_dim;
-      vrows[t] = a.value + ((v.start + v.new_token(j)) * a.hkv + h) * a.head_dim;
+  int64_t t = 0;
+  // the context's keys, a run of consecutive slots of one block at a time
+  for (int64_t j = j0; t < count && j < v.ctx;) {
+    const int64_t blk = v.table[j / a.block_size], slot = j % a.block_size;
+    const int64_t run = std::min({count - t, a.block_size - slot, v.ctx - j});
+    const T* k = a.key_cache + blk * a.kc_stride[0] + slot * a.kc_stride[1] + h * a.kc_stride[2];
+    const T* val =
+        a.value_cache + blk * a.vc_stride[0] + slot * a.vc_stride[1] + h * a.vc_stride[2];
+    for (int64_t i = 0; i < run; ++i, ++t) {
+      krows[t] = k + i * a.kc_stride[1];
+      vrows[t] = val + i * a.vc_stride[1];
     }
+    j += run;
+  }
+  for (; t < count; ++t) {
+    const int64_t row = (v.start + v.new_token(j0 + t)) * a.hkv + h;
+    krows[t] = a.key + row * a.head_dim;
+    vrows[t] = a.value + row * a.head_dim;
   }
 }
 
