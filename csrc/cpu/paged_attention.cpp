@@ -87,11 +87,11 @@ void for_row_blocks(int64_t rows, F&& f, int64_t first = 0) {
   }
 }
 
-// Asks for row[0:n] in L2 (common.h). A decode step's K/V come from memory (the layers' weights stream
-// through the caches between two attention calls), and a key tile is 128 lines at D = 64: into
-// L1, whose few miss buffers they fill, the prefetches of the next tile stalled the loads of this
-// one (the attention of a SmolLM2 Q8_0 decode step at 256 cached tokens measured 1.14 ms with
-// them, 0.65 ms with L2's).
+// Asks for row[0:n] in L2 (common.h). A decode step's K/V come from memory (the layers' weights
+// stream through the caches between two attention calls), and a key tile is 128 lines at D = 64:
+// into L1, whose few miss buffers they fill, the prefetches of the next tile stalled the loads of
+// this one (the attention of a SmolLM2 Q8_0 decode step at 256 cached tokens measured 1.14 ms
+// with them, 0.65 ms with L2's).
 template <typename T>
 void prefetch_row(const T* row, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
