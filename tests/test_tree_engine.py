@@ -122,11 +122,44 @@ def test_the_planner_offers_twice_the_nodes_it_took_lately():
     planner = Planner(B - 1, steep)
     assert planner.tree_size() == tree.MAX_NODES
     for _ in range(tree.MAX_NODES):
-        assert planner.choose_nodes([star(planner.tree_size(), 0.5)], 1) == [0]
+        assert planner.choose_nodes([star(planner.tree_size(), 0.5)], 1, 1) == [0]
     assert planner.tree_size() == TREE_MARGIN
     planner.cost_model = flat
-    assert planner.choose_nodes([star(planner.tree_size(), 0.9)], 1) == [TREE_MARGIN]
+    assert planner.choose_nodes([star(planner.tree_size(), 0.9)], 1, 1) == [TREE_MARGIN]
     assert planner.tree_size() == 3 * TREE_MARGIN
+
+
+def requests(n):
+    return [type("R", (), {"request_id": i})() for i in range(n)]
+
+
+def test_the_tree_planner_prices_the_draft_pass_a_tree_step_runs():
+    """A tree step's draft pass reaches tree.EXTRA_DEPTH positions beyond the chain length
+    planned (`tree.depth_limits`): one draft is nearly free here and three cost most of a step,
+    so a chain of one pays and the same plan as a tree step does not."""
+    model = CostModel({1: 1.0, 64: 1.0}, {1: 2.0}, B, {1: 1.0}, {1: 0.05})
+    assert model.draft(1, 1 + tree.EXTRA_DEPTH) > 0.5
+    plans = {}
+    for trees in (False, True):
+        planner = Planner(B - 1, model, trees=trees)
+        for step in range(40):   # the first draft accepted every other step, never the second
+            planner.observe(requests(1), [B - 1], [step % 2])
+        plans[trees] = planner.plan(requests(1))
+    assert plans == {False: [1], True: [0]}
+
+
+def test_a_tree_steps_time_is_fitted_with_its_draft_at_the_depth_it_reached():
+    """Steps that take exactly what the cost model prices them at, a draft pass of 3 positions
+    included, leave the time correction at the calibration."""
+    model = CostModel({1: 1.0, 64: 2.0}, {1: 2.0, 4: 2.0}, B, {1: 1.0, 4: 1.0}, {1: 0.05, 4: 0.05})
+    planner = Planner(B - 1, model, trees=True)
+    chain = tree.Tree([5, 6, 7], [-1, 0, 1], [0, 1, 2], [1.0, 0.9, 0.8])
+    root = tree.Tree([5], [-1], [0], [1.0])
+    seconds = float(model.decode(2) + model.extra(2, 4) + model.draft(1, 3))
+    for _ in range(300):
+        planner.observe_trees(requests(2), [chain, root], [[0, 1], [0]], [3, 0], seconds)
+    assert planner.time.a == pytest.approx(1.0, rel=0.01)
+    assert planner.time.b == pytest.approx(1.0, rel=0.01)
 
 
 def test_calibration_learns_acceptance_by_score():
@@ -238,7 +271,7 @@ class FullTrees(RandomVerifySchedule):
     def tree_size(self):
         return 32
 
-    def choose_nodes(self, candidates, sequences):
+    def choose_nodes(self, candidates, sequences, depth):
         return [len(t) - 1 for t in candidates]
 
 

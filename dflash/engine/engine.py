@@ -72,7 +72,8 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, self.target.cfg.vocab_size, loaded.stop_ids,
                                    self.block_size, self.max_model_len, self.allocator)
         self.planner = None if self.cost_model is None or self.draft is None or \
-            args.speculation == "fixed" else Planner(self.block_size - 1, self.cost_model)
+            args.speculation == "fixed" else Planner(self.block_size - 1, self.cost_model,
+                                                     trees=args.speculation == "adaptive")
         # "adaptive" verifies trees of drafts where the worker can (section 4.6), "chain" chains
         self.trees = self.planner is not None and args.speculation == "adaptive"
         self.stats = Stats(self.block_size)
@@ -209,14 +210,16 @@ class LLMEngine:
         step_start = time.perf_counter()
 
         def run(rs: list[Request], ks: list[int]):
+            depths = tree.depth_limits(ks, self.block_size - 1)
             return list(zip(*self.worker.tree_step(
-                rs, tree.depth_limits(ks, self.block_size - 1), self.planner.tree_size(),
-                lambda candidates: self.planner.choose_nodes(candidates, len(rs)))))
+                rs, depths, self.planner.tree_size(),
+                lambda candidates: self.planner.choose_nodes(candidates, len(rs), max(depths)))))
 
-        ok, _, results = self._call(run, running, num_drafts)
+        ok, ks, results = self._call(run, running, num_drafts)
         if ok:
             trees, paths = [t for _, t, _ in results], [p for _, _, p in results]
-            self.planner.observe_trees(ok, trees, paths, time.perf_counter() - step_start)
+            self.planner.observe_trees(ok, trees, paths, tree.depth_limits(ks, self.block_size - 1),
+                                       time.perf_counter() - step_start)
             self.stats.record_tree_step(ok, [len(t) - 1 for t in trees],
                                         [len(p) - 1 for p in paths])
         self._commit_each(ok, [tokens for tokens, _, _ in results])

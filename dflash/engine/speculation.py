@@ -162,8 +162,11 @@ class TimeCorrection:
 class Planner:
     """Per-step verify lengths for the running requests, learned from their acceptance."""
 
-    def __init__(self, num_positions: int, cost_model):
+    def __init__(self, num_positions: int, cost_model, trees: bool = False):
         self.k_max, self.cost_model = num_positions, cost_model
+        # a tree step's draft pass reaches tree.EXTRA_DEPTH positions beyond the chain length
+        # chosen here (`tree.depth_limits`), and is priced so
+        self.extra_depth = tree.EXTRA_DEPTH if trees else 0
         self.engine = Acceptance([PRIOR] * num_positions)
         self._requests: dict[int, Acceptance] = {}
         self._off_steps = 0
@@ -175,7 +178,8 @@ class Planner:
     def plan(self, requests) -> list[int]:
         estimates = [self._estimate(r.request_id) for r in requests]
         ks = choose_num_drafts([e.cumulative() for e in estimates],
-                               *step_costs(self.cost_model, len(requests), self.time, self.k_max))
+                               *step_costs(self.cost_model, len(requests), self.time, self.k_max,
+                                           self.extra_depth))
         if any(ks):
             self._off_steps = 0
         else:
@@ -207,23 +211,27 @@ class Planner:
         lately did; one that takes every candidate doubles the next offer)."""
         return min(tree.MAX_NODES, 2 * self._largest + TREE_MARGIN)
 
-    def choose_nodes(self, candidates: list[tree.Tree], sequences: int) -> list[int]:
+    def choose_nodes(self, candidates: list[tree.Tree], sequences: int, depth: int
+                     ) -> list[int]:
         """Tree sizes for the drafting sequences of a step over `sequences` sequences, from
         their candidate trees (nodes in best-first order: draft path probabilities and depths,
-        calibrated) and the corrected cost of verify rows (`tree.choose_nodes`)."""
-        decode = float(self.cost_model.decode(sequences))
-        draft = float(self.cost_model.draft(len(candidates)))
+        calibrated) and the corrected cost of verify rows (`tree.choose_nodes`), the draft pass
+        (of `depth` positions) included."""
+        decode, _, draft = self.cost_model.step_tables(sequences, self.k_max)
         a, b = self.time.a, self.time.b
         counts = tree.choose_nodes(
             [self.calibration(t.scores[1:], t.depths[1:]) for t in candidates],
-            lambda rows: a * decode + b * (self.cost_model.extra(sequences, rows) + draft),
+            lambda rows: a * decode + b * (self.cost_model.extra(sequences, rows) +
+                                           draft[len(candidates), depth]),
             sequences)
         self._largest = max(max(counts, default=0), self._largest - 1)
         return counts
 
-    def observe_trees(self, requests, trees, paths, seconds: float) -> None:
-        """Learn from a tree step: the calibration from every verified node, the per-position
-        acceptance as for a chain as deep as the tree, the time correction from its rows."""
+    def observe_trees(self, requests, trees, paths, reach: list[int], seconds: float) -> None:
+        """Learn from a tree step whose draft pass reached reach[i] positions for sequence i
+        (0: it did not draft): the calibration from every verified node, the per-position
+        acceptance as for a chain as deep as the tree, the time correction from its rows and
+        its draft pass (priced as `plan` and `choose_nodes` price it)."""
         scores, depths, accepted = [], [], []
         for t, path in zip(trees, paths):
             on_path = set(path)
@@ -233,11 +241,11 @@ class Planner:
         if scores:
             self.calibration.observe(scores, depths, accepted)
         self.observe(requests, [max(t.depths) for t in trees], [len(p) - 1 for p in paths])
-        n, drafting = len(trees), sum(len(t) > 1 for t in trees)
-        rows = sum(len(t) for t in trees)
-        self.time.observe(float(self.cost_model.decode(n)),
-                          float(self.cost_model.extra(n, rows) + self.cost_model.draft(drafting)),
-                          seconds)
+        n, drafting = len(trees), sum(d > 0 for d in reach)
+        decode, _, draft = self.cost_model.step_tables(n, self.k_max)
+        rows = sum(len(t) for t in trees)   # a tree may hold more rows than extra's table
+        self.time.observe(decode, float(self.cost_model.extra(n, rows) +
+                                        draft[drafting, max(reach, default=0)]), seconds)
 
     def forget(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -248,10 +256,15 @@ class Planner:
         return self._requests[request_id]
 
 
-def step_costs(cost_model, n: int, time: TimeCorrection, positions: int):
+def step_costs(cost_model, n: int, time: TimeCorrection, positions: int, extra_depth: int = 0):
     """The chooser's (target_cost(rows), draft_cost(drafting, longest)) for a step over n
-    sequences of up to `positions` drafts each, corrected by `time`."""
+    sequences of up to `positions` drafts each, corrected by `time`; a draft pass for a longest
+    chain of k > 0 reaches min(k + extra_depth, positions) positions."""
     decode, extra, draft = cost_model.step_tables(n, positions)
+    if extra_depth:
+        reach = np.minimum(np.arange(positions + 1) + extra_depth, positions)
+        reach[0] = 0
+        draft = draft[:, reach]
     return (lambda rows: time.a * decode + time.b * extra[np.asarray(rows) - n],
             lambda d, longest: time.b * draft[d, longest])
 
