@@ -40,17 +40,21 @@ inline std::string isa_limit() {
   return isa;
 }
 
+// Whether oneDNN's ISA limit leaves a CPU's matrix engine (AMX) usable: no limit, or an AMX one.
+inline bool isa_limit_allows_amx() {
+  const std::string isa = isa_limit();
+  return isa.empty() || isa == "ALL" || isa == "DEFAULT" || isa.find("AMX") != std::string::npos;
+}
+
 // Whether the AVX-512 build may use VDPBF16PS: the CPU has it and oneDNN's ISA limit admits it
-// (the limits host.BF16_DOT_ISA_LIMITS lists), so `ONEDNN_MAX_CPU_ISA=AVX512_CORE` runs a host
-// without bf16 units on one that has them.
+// (the limits host.BF16_DOT_ISA_LIMITS lists: the AMX ones and the two bf16 ones), so
+// `ONEDNN_MAX_CPU_ISA=AVX512_CORE` runs a host without bf16 units on one that has them.
 inline bool has_bf16_dot_products() {
 #if defined(CPU_CAPABILITY_AVX512)
   static const bool has = [] {
     const std::string isa = isa_limit();
-    for (const char* admits : {"", "ALL", "DEFAULT", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
-                               "AVX512_CORE_BF16", "AVX512_CORE_FP16"})
-      if (isa == admits) return __builtin_cpu_supports("avx512bf16") != 0;
-    return false;
+    return (isa_limit_allows_amx() || isa == "AVX512_CORE_BF16" || isa == "AVX512_CORE_FP16") &&
+           __builtin_cpu_supports("avx512bf16") != 0;
   }();
   return has;
 #else

@@ -599,12 +599,6 @@ void split_hi_lo(const float* s, T* hi, T* lo, int64_t n) {
   }
 }
 
-// Only the AMX ISAs (and no limit) leave the matrix engine usable (common.h, isa_limit).
-inline bool isa_limit_allows_amx() {
-  const std::string isa = isa_limit();
-  return isa.empty() || isa == "ALL" || isa == "DEFAULT" || isa.find("AMX") != std::string::npos;
-}
-
 template <typename T>
 bool matrix_engine_available() {
   if constexpr (std::is_same_v<T, float>) {

@@ -164,9 +164,9 @@ class Planner:
 
     def __init__(self, num_positions: int, cost_model, trees: bool = False):
         self.k_max, self.cost_model = num_positions, cost_model
-        # a tree step's draft pass reaches tree.EXTRA_DEPTH positions beyond the chain length
-        # chosen here (`tree.depth_limits`), and is priced so
-        self.extra_depth = tree.EXTRA_DEPTH if trees else 0
+        # whether steps verify trees, whose draft pass reaches as deep as `tree.depth_limits`
+        # says (beyond the chain length chosen here), and is priced so
+        self.trees = trees
         self.engine = Acceptance([PRIOR] * num_positions)
         self._requests: dict[int, Acceptance] = {}
         self._off_steps = 0
@@ -179,7 +179,7 @@ class Planner:
         estimates = [self._estimate(r.request_id) for r in requests]
         ks = choose_num_drafts([e.cumulative() for e in estimates],
                                *step_costs(self.cost_model, len(requests), self.time, self.k_max,
-                                           self.extra_depth))
+                                           self.trees))
         if any(ks):
             self._off_steps = 0
         else:
@@ -256,15 +256,13 @@ class Planner:
         return self._requests[request_id]
 
 
-def step_costs(cost_model, n: int, time: TimeCorrection, positions: int, extra_depth: int = 0):
+def step_costs(cost_model, n: int, time: TimeCorrection, positions: int, trees: bool = False):
     """The chooser's (target_cost(rows), draft_cost(drafting, longest)) for a step over n
-    sequences of up to `positions` drafts each, corrected by `time`; a draft pass for a longest
-    chain of k > 0 reaches min(k + extra_depth, positions) positions."""
+    sequences of up to `positions` drafts each, corrected by `time`; with `trees`, the draft pass
+    for a longest chain of k reaches the depth `tree.depth_limits` gives k."""
     decode, extra, draft = cost_model.step_tables(n, positions)
-    if extra_depth:
-        reach = np.minimum(np.arange(positions + 1) + extra_depth, positions)
-        reach[0] = 0
-        draft = draft[:, reach]
+    if trees:
+        draft = draft[:, tree.depth_limits(list(range(positions + 1)), positions)]
     return (lambda rows: time.a * decode + time.b * extra[np.asarray(rows) - n],
             lambda d, longest: time.b * draft[d, longest])
 
