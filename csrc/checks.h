@@ -368,8 +368,7 @@ inline void panel_linear_meta(const at::Tensor& x, const at::Tensor& weight_pane
 
 // 8 bits: weight [N / 16, K / 4, 16, 4] uint8 quad panels (dflash.ops.quantize_int8), no mins;
 // 4 bits: weight [N / 16, K / 8, 16, 4] uint8 nibble panels (dflash.ops.quantize_int4) and mins;
-// scales [N / 16, K / 32, 16], float32 for 8 bits, float16 for 4 bits as the mins; K a multiple
-// of 32; bias [N].
+// scales [N / 16, K / 32, 16] float16 (and 4 bits, mins alike); K a multiple of 32; bias [N].
 inline void quant_linear_meta(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                               const std::optional<at::Tensor>& bias) {
@@ -380,8 +379,7 @@ inline void quant_linear_meta(const at::Tensor& x, const at::Tensor& weight,
                "(one scale per group of 32)");
   const int64_t per_vector = mins ? 8 : 4;  // inputs per 64-byte vector of a panel
   check_tensor(op, "weight", weight, {at::kByte}, 4, {kAny, k / per_vector, 16, 4}, x.device());
-  const at::ScalarType scale_type = mins ? at::kHalf : at::kFloat;
-  check_tensor(op, "scales", scales, {scale_type}, 3, {weight.size(0), k / 32, 16}, x.device());
+  check_tensor(op, "scales", scales, {at::kHalf}, 3, {weight.size(0), k / 32, 16}, x.device());
   if (mins) check_tensor(op, "mins", *mins, {at::kHalf}, 3, scales.sizes(), x.device());
   if (bias) check_tensor(op, "bias", *bias, kFloats, 1, {weight.size(0) * 16}, x.device());
 }

@@ -39,15 +39,19 @@ def test_int8_quantizer_matches_its_closed_form():
     w = _weight(32, 96)
     quads, scales = ops.quantize_int8(w)
     assert quads.dtype == torch.uint8 and quads.shape == (2, 24, 16, 4)
-    assert scales.dtype == torch.float32 and scales.shape == (2, 3, 16)
+    assert scales.dtype == torch.float16 and scales.shape == (2, 3, 16)   # Q8_0's block field
     groups = w.view(32, 3, 32)
     d = groups.abs().amax(-1) / 127
     # the layout: quads[p, i, j, t] = q[16 p + j, 4 i + t] + 128, scales[p, g, j] = d[16 p + j, g]
+    # rounded to float16 (the codes come from d itself, as llama.cpp's quantizer computes them)
     q = torch.round(groups / d[..., None]).view(32, 96)
     assert torch.equal(quads[1, 5, 3].long() - 128, q[16 + 3, 20:24].long())
-    assert torch.equal(scales[0, 2], d[:16, 2])
+    assert torch.equal(scales[0, 2], d[:16, 2].half())
     deq = ops.dequantize_int8(quads, scales)
-    assert torch.all((deq - w).abs().view(32, 3, 32) <= d[..., None] / 2 * (1 + 1e-6))
+    # half a step, plus what rounding the scale to float16 moved the largest code
+    d16 = scales.transpose(1, 2).reshape(32, 3).float()
+    bound = d / 2 * (1 + 1e-6) + 127 * (d - d16).abs()
+    assert torch.all((deq - w).abs().view(32, 3, 32) <= bound[..., None])
     assert (q.view(32, 3, 32).abs().amax(-1) == 127).all()   # each group's maximum maps to 127
 
 
@@ -71,6 +75,20 @@ def test_int4_quantizer_matches_its_closed_form():
     step = scales.transpose(1, 2).reshape(32, 3)
     # half a step, plus what rounding the scale and min to float16 moved
     assert torch.all((deq - w).abs().view(32, 3, 32) <= step[..., None] * (0.5 + 2e-3) + 2e-3)
+
+
+def test_int8_rejects_values_no_float16_scale_holds():
+    """int8 stores Q8_0's float16 scale: a group whose max |w| / 127 lies beyond float16's range
+    is refused by name, where an infinite scale would make every output NaN; a non-finite group
+    keeps a NaN scale, so what it multiplies is NaN (test_a_non_finite_row_gives_nan...)."""
+    w = torch.ones(16, 64)
+    w[3, 40] = 127 * 65536.0
+    with pytest.raises(ValueError, match="quantize_int8: the weight holds .* float16"):
+        ops.quantize_int8(w)
+    w[3, 40] = 127 * 65504.0   # max / 127 = 65504, the largest float16: accepted, exactly
+    assert unpacked(_quantized(w, 8))[3, 40] == w[3, 40]
+    w[3, 40] = float("nan")
+    assert unpacked(_quantized(w, 8))[3, 32:].isnan().all()
 
 
 def test_int4_rejects_values_no_float16_minimum_holds():
@@ -110,7 +128,9 @@ def test_weights_on_the_grid_round_trip_exactly(form):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_constant_groups_and_bad_shapes(bits):
-    w = torch.full((16, 32), -0.5)
+    # 8 bits: a constant group is 127 scales, exact when float16 holds the scale (2^-8 here;
+    # what rounding it moves otherwise: test_int8_quantizer_matches_its_closed_form)
+    w = torch.full((16, 32), -0.5 if bits == 4 else -127 / 256)
     assert torch.equal(unpacked(_quantized(w, bits)), w)
     assert torch.equal(unpacked(_quantized(torch.zeros(16, 32), bits)), torch.zeros(16, 32))
     name = f"quantize_int{bits}"
@@ -303,7 +323,7 @@ def test_a_non_finite_row_gives_nan_and_leaves_the_others_alone(bits):
 
 
 def test_quantized_weight_sizes():
-    assert _quantized(_weight(64, 64), 8).nbytes == 64 * 64 + 64 * 2 * 4
+    assert _quantized(_weight(64, 64), 8).nbytes == 64 * 64 + 64 * 2 * 2   # Q8_0: 34 / 32
     assert _quantized(_weight(64, 64), 4).nbytes == 64 * 64 // 2 + 2 * 64 * 2 * 2   # float16
 
 

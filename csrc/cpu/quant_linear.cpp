@@ -1,10 +1,10 @@
 // quant_linear on CPU: y = x @ W^T + bias for an 8- or 4-bit weight in quad panels with one
-// scale per output column and group of 32 inputs, float32 for 8 bits, float16 for 4 bits with a
-// float16 minimum (llama.cpp's Q4_1 block) (dflash.ops.quantize_int8 / quantize_int4;
-// docs/design.md 3.4).
+// float16 scale per output column and group of 32 inputs, for 4 bits with a float16 minimum
+// (llama.cpp's Q8_0 and Q4_1 blocks) (dflash.ops.quantize_int8 / quantize_int4; docs/design.md
+// 3.4).
 //
-// Decoding streams every weight once per step, so a weight of 1 byte (plus 4 bytes of scale per
-// 32) halves the bytes of bf16, and one of half a byte (plus 4 bytes per 32) takes 5/16 of them.
+// Decoding streams every weight once per step, so a weight of 1 byte (plus 2 bytes of scale per
+// 32) takes 17/32 of the bytes of bf16, and one of half a byte (plus 4 bytes per 32) 5/16.
 // The activations are quantized too, per row and group of 32, as llama.cpp quantizes the input of
 // a Q8_0 matmul (quantize_group below): a group's dot product is then an exact integer, computed
 // by AVX512-VNNI's VPDPBUSD (64 byte products per instruction) where the CPU has it, by
@@ -40,21 +40,12 @@ constexpr int64_t kGroupBytes = kQuadsPerGroup * kPanel * kQuad * Bits / 8;
 constexpr int kVecs = kPanel / fVec::size();
 static_assert(kPanel % fVec::size() == 0 && iVec::size() == fVec::size(), "whole vectors");
 
-// The weight's scales (and 4-bit minimums): float32 for 8 bits; float16 for 4 bits, where they are
-// a fifth of the bytes a row streams.
-template <int Bits>
-using Scale = std::conditional_t<Bits == 4, c10::Half, float>;
-
-template <int Bits>
-const Scale<Bits>* scales_of(const void* p) {
-  return static_cast<const Scale<Bits>*>(p);
-}
+// The weight's scales (and 4-bit minimums), float16 as llama.cpp's blocks store them: in float32
+// they would be a ninth of the bytes an 8-bit pass streams, and a third of a 4-bit one's.
+using Scale = c10::Half;
 
 // One vector of scales (or minimums), widened to float32.
-inline fVec load_scales(const float* p) {
-  return fVec::loadu(p);
-}
-inline fVec load_scales(const c10::Half* p) {
+inline fVec load_scales(const Scale* p) {
 #if defined(CPU_CAPABILITY_AVX512)
   return fVec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -138,8 +129,8 @@ struct Block {
   int64_t k, groups, row;
   const uint8_t* tile;
   int64_t panel_bytes;
-  const void* scales;  // the tile's first panel's scales [groups, 16] (Scale<Bits>)
-  const void* mins;    // 4 bits: its minimums [groups, 16]
+  const Scale* scales;  // the tile's first panel's scales [groups, 16]
+  const Scale* mins;    // 4 bits: its minimums [groups, 16]
   float* out;
   int64_t ldo;
 };
@@ -152,14 +143,14 @@ struct Group {
   const int32_t* xsum;
   const float* xscale;
   const uint8_t* w;
-  const void* wscale;
+  const Scale* wscale;
 };
 
 template <int Bits>
 Group group_of(const Block& b, int64_t g) {
   return {b.x.q.data() + b.row * b.k + g * kGroup, b.x.sum.data() + b.row * b.groups + g,
           b.x.scale.data() + b.row * b.groups + g, b.tile + g * kGroupBytes<Bits>,
-          scales_of<Bits>(b.scales) + g * kPanel};
+          b.scales + g * kPanel};
 }
 
 // 8 bits: q of input 4 quad + t of the columns whose 32-bit lanes start at `lanes`: the offset
@@ -207,10 +198,8 @@ void multiply_group(const Block& b, int64_t g) {
     for (int j = 0; j < NP * kVecs; ++j) {
       const int64_t c = j * fVec::size();  // panel j / kVecs, its vector j % kVecs
       const int64_t at = ((j / kVecs) * b.groups + g) * kPanel + (j % kVecs) * fVec::size();
-      fVec acc = at::vec::fmadd(sums[r][j], load_scales(scales_of<Bits>(b.scales) + at) * xs,
-                                fVec::loadu(o + c));
-      if constexpr (Bits == 4)
-        acc = at::vec::fmadd(load_scales(scales_of<Bits>(b.mins) + at), xsum, acc);
+      fVec acc = at::vec::fmadd(sums[r][j], load_scales(b.scales + at) * xs, fVec::loadu(o + c));
+      if constexpr (Bits == 4) acc = at::vec::fmadd(load_scales(b.mins + at), xsum, acc);
       acc.store(o + c);
     }
   }
@@ -291,12 +280,12 @@ __attribute__((target("avx512vnni"))) void dot_groups_vnni(const Block& b) {
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
         float* o = out + r * ldo + p * kPanel;
-        const Scale<Bits>* scale = scales_of<Bits>(in.wscale) + p * groups * kPanel;
+        const Scale* scale = in.wscale + p * groups * kPanel;
         if (r == 0) prefetch_to_l2(scale, NP * groups * kPanel * sizeof(*scale));
         const __m512 s = _mm512_mul_ps(load_scales(scale), xs);
         __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][p]), s, _mm512_loadu_ps(o));
         if constexpr (Bits == 4) {
-          const Scale<Bits>* low = scales_of<Bits>(b.mins) + g * kPanel + p * groups * kPanel;
+          const Scale* low = b.mins + g * kPanel + p * groups * kPanel;
           if (r == 0) prefetch_to_l2(low, NP * groups * kPanel * sizeof(*low));
           sum = _mm512_fmadd_ps(load_scales(low), xsum_scaled, sum);
         }
@@ -405,13 +394,13 @@ void dot_groups_pairs(const Block& b) {
       for (int j = 0; j < NV; ++j) {
         const int64_t at = (j / kVecs) * groups * kPanel + (j % kVecs) * fVec::size();
         float* o = out + r * ldo + j * fVec::size();
-        const Scale<Bits>* scale = scales_of<Bits>(in.wscale) + at;
+        const Scale* scale = in.wscale + at;
         const bool first = r == 0 && j % kVecs == 0;  // of the row's vectors of a panel
         if (first) prefetch_to_l2(scale, NP * groups * kPanel * sizeof(*scale));
         fVec sum =
             at::vec::fmadd(Pairs::to_float(acc[r][j]), load_scales(scale) * xs, fVec::loadu(o));
         if constexpr (Bits == 4) {
-          const Scale<Bits>* low = scales_of<Bits>(b.mins) + g * kPanel + at;
+          const Scale* low = b.mins + g * kPanel + at;
           if (first) prefetch_to_l2(low, NP * groups * kPanel * sizeof(*low));
           sum = at::vec::fmadd(load_scales(low), xsum_scaled, sum);
         }
@@ -475,8 +464,8 @@ constexpr Blocking blocking(Path, int) {
 // The weight's tensors as the kernel reads them.
 struct Weight {
   const uint8_t* codes;
-  const void* scales;  // Scale<Bits>
-  const void* mins;    // 4 bits only
+  const Scale* scales;
+  const Scale* mins;  // 4 bits only
   int64_t panels;
 };
 
@@ -499,8 +488,8 @@ void multiply(const QuantizedRows& x, int64_t rows, int64_t k, const Weight& w,
                       0,
                       w.codes + (first + p) * panel_bytes,
                       panel_bytes,
-                      scales_of<Bits>(w.scales) + at,
-                      w.mins == nullptr ? nullptr : scales_of<Bits>(w.mins) + at,
+                      w.scales + at,
+                      w.mins == nullptr ? nullptr : w.mins + at,
                       result.data() + p * kPanel,
                       kCols};
         if (np == NP) {
@@ -549,8 +538,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
   shape.back() = panels * kPanel;
   at::Tensor out = at::empty(shape, xc.options());
   const std::vector<float> b = bias ? float_values(*bias) : std::vector<float>();
-  const Weight w{wc.const_data_ptr<uint8_t>(), sc.const_data_ptr(),
-                 mins ? mc.const_data_ptr() : nullptr, panels};
+  const Weight w{wc.const_data_ptr<uint8_t>(), sc.const_data_ptr<Scale>(),
+                 mins ? mc.const_data_ptr<Scale>() : nullptr, panels};
   DFLASH_DISPATCH_FLOATS(x.scalar_type(), "quant_linear", [&] {
     const QuantizedRows xq = quantize_rows(xc.const_data_ptr<scalar_t>(), rows, k);
     auto* op = out.mutable_data_ptr<scalar_t>();

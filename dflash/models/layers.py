@@ -148,7 +148,7 @@ QUANTIZATIONS = ("int8", "int4")
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A linear weight for `ops.quant_linear`: 8 bits from `ops.quantize_int8` (uint8 quad panels
-    [N / 16, K / 4, 16, 4] of int8 values + 128, float32 scales [N / 16, K / 32, 16], mins None)
+    [N / 16, K / 4, 16, 4] of int8 values + 128, float16 scales [N / 16, K / 32, 16], mins None)
     or 4 bits from `ops.quantize_int4` (nibble panels [N / 16, K / 8, 16, 4], float16 scales and
     mins [N / 16, K / 32, 16])."""
 

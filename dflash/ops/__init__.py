@@ -259,8 +259,8 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     bias [..., N].
 
     8 bits, (weight, scales) = `quantize_int8(W)`: weight [N / 16, K / 4, 16, 4] uint8 quad panels
-    holding q + 128 for int8 values q, scales [N / 16, K / 32, 16] float32, one per output column
-    and group of 32 inputs, W ~ q * scale (`dequantize_int8`); mins None.
+    holding q + 128 for int8 values q, scales [N / 16, K / 32, 16] float16, one per output column
+    and group of 32 inputs, W ~ q * scale (`dequantize_int8`; llama.cpp's Q8_0); mins None.
     4 bits, (weight, scales, mins) = `quantize_int4(W)`: weight [N / 16, K / 8, 16, 4] uint8
     nibble panels of codes c in 0..15, scales and mins [N / 16, K / 32, 16] float16, W ~ c * scale
     + min (`dequantize_int4`; llama.cpp's Q4_1). bias: [N] or None.

@@ -345,8 +345,8 @@ def panel_linear_meta(x, weight_panels, bias) -> None:
 def quant_linear_meta(x, weight, scales, mins, bias) -> None:
     """8 bits: weight [N / 16, K / 4, 16, 4] uint8 quad panels (`ops.quantize_int8`), no mins;
     4 bits: weight [N / 16, K / 8, 16, 4] uint8 nibble panels (`ops.quantize_int4`) and mins;
-    scales [N / 16, K / 32, 16], float32 for 8 bits, float16 for 4 bits as the mins; K a multiple
-    of 32; bias [N]."""
+    scales [N / 16, K / 32, 16] float16 (and 4 bits, mins alike); K a multiple of 32; bias
+    [N]."""
     op = "quant_linear"
     _rows_input(op, x)
     k = x.shape[-1]
@@ -354,8 +354,7 @@ def quant_linear_meta(x, weight, scales, mins, bias) -> None:
             "scale per group of 32)")
     per_vector = 4 if mins is None else 8   # inputs per 64-byte vector of a panel
     check_tensor(op, "weight", weight, torch.uint8, 4, (None, k // per_vector, 16, 4), x.device)
-    scale_dtype = torch.float32 if mins is None else torch.float16
-    check_tensor(op, "scales", scales, scale_dtype, 3, (weight.shape[0], k // 32, 16), x.device)
+    check_tensor(op, "scales", scales, torch.float16, 3, (weight.shape[0], k // 32, 16), x.device)
     if mins is not None:
         check_tensor(op, "mins", mins, torch.float16, 3, tuple(scales.shape), x.device)
     if bias is not None:

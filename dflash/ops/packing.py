@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-FLOAT16_MAX = 65504.0   # the largest float16: int4's scales and minimums are float16
+FLOAT16_MAX = 65504.0   # the largest float16: weight scales (and int4's minimums) are float16
 PANEL = 16   # output columns per panel of a panel_linear or quant_linear weight
 QUAD = 4     # inputs per 32-bit lane of a quad panel
 GROUP = 32   # inputs per int8 scale (llama.cpp's Q8_0 block)
@@ -57,9 +57,9 @@ def _codes(v, inverse, bad) -> torch.Tensor:
 def quantize_groups(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """values [R, K] (K a multiple of 32) -> (q int8 [R, K], scale float32 [R, K / 32]) with
     values ~ q * scale per group of 32: scale = max|v| / 127, q = round(v * (1 / scale)) (ties to
-    even; all zero for a zero group), in float32 (llama.cpp's Q8_0 quantizer, with the scale kept
-    in float32). A group holding inf or NaN gets scale NaN (and q 0): what it multiplies becomes
-    NaN."""
+    even; all zero for a zero group), in float32 (llama.cpp's Q8_0 quantizer, which then stores
+    the scale in float16, as `quantize_int8` does). A group holding inf or NaN gets scale NaN
+    (and q 0): what it multiplies becomes NaN."""
     v, amax, bad = _groups(values)
     scale = amax / 127
     inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
@@ -84,24 +84,33 @@ def to_quad_panels(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
     """An int8 weight q [N, K] with group scales [N, K / 32] (N a multiple of 16) in
     `quant_linear`'s layout: uint8 quad panels [N / 16, K / 4, 16, 4] holding q + 128,
     quads[p, i, j, t] = q[16 p + j, 4 i + t] + 128 (AVX512-VNNI's unsigned operand, as stored),
-    and float32 scales [N / 16, K / 32, 16]."""
+    and float16 scales [N / 16, K / 32, 16] (Q8_0's block field; values beyond float16's
+    become inf)."""
     n, k = q.shape
     if n % PANEL or k % GROUP or q.dtype != torch.int8:
         raise ValueError(f"to_quad_panels: weight is {q.dtype} [{n}, {k}], expected int8 with a "
                          f"multiple of {PANEL} rows and of {GROUP} columns")
     codes = (q.to(torch.int16) + 128).to(torch.uint8)
     quads = codes.reshape(n // PANEL, PANEL, k // QUAD, QUAD).transpose(1, 2).contiguous()
-    return quads, _group_rows(scale)
+    return quads, _group_rows(scale, torch.float16)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear weight [N, K] (N a multiple of 16, K of 32) quantized to 8 bits for
-    `quant_linear`: (uint8 quad panels [N / 16, K / 4, 16, 4] holding q + 128, float32 scales
-    [N / 16, K / 32, 16]), q and one scale per output column and group of 32 inputs as
-    `quantize_groups` gives them."""
+    `quant_linear`, as llama.cpp's Q8_0: (uint8 quad panels [N / 16, K / 4, 16, 4] holding
+    q + 128, float16 scales [N / 16, K / 32, 16]), q and one scale per output column and group of
+    32 inputs as `quantize_groups` gives them, the scale then rounded to float16 as Q8_0's blocks
+    store it (34 bytes per 32 weights). A GGUF Q8_0 tensor's values quantize back to its own codes
+    and scales. A group whose scale float16 cannot hold (max |w| / 127 beyond 65504) raises a
+    ValueError."""
     n, k = weight.shape
     _check_quantizable("quantize_int8", n, k)
-    return to_quad_panels(*quantize_groups(weight))
+    q, scale = quantize_groups(weight)
+    if bool((torch.isfinite(scale) & torch.isinf(scale.half())).any()):
+        raise ValueError(f"quantize_int8: the weight holds {float(weight.abs().max()):g}; its "
+                         f"float16 scales hold max |w| / 127 up to {FLOAT16_MAX:g} (keep it "
+                         "in float)")
+    return to_quad_panels(q, scale)
 
 
 def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -109,7 +118,7 @@ def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     (code - 128) * scale."""
     p, quads, _, _ = weight.shape
     q = weight.transpose(1, 2).reshape(p * PANEL, quads * QUAD).float() - 128
-    s = scales.transpose(1, 2).reshape(p * PANEL, -1)
+    s = scales.transpose(1, 2).reshape(p * PANEL, -1).float()
     return (q.view(p * PANEL, -1, GROUP) * s[..., None]).reshape(q.shape)
 
 
