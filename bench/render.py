@@ -207,8 +207,9 @@ def bench_command(data: dict, extra: str) -> str:
         parts.append("--modes " + ",".join(modes))
     if data["dtype"] != "auto":
         parts.append(f"--dtype {data['dtype']}")
-    if data.get("quantization"):
-        parts.append(f"--quantization {data['quantization']}")
+    for name in ("quantization", "draft_quantization"):
+        if data.get(name):
+            parts.append(f"--{name.replace('_', '-')} {data[name]}")
     if data["temperature"]:
         parts.append(f"--temperature {data['temperature']}")
     return " ".join(parts + ([extra] if extra else []))

@@ -88,7 +88,8 @@ def _combine(runs: list) -> tuple:
 def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int], max_tokens: int,
         temperature: float, block_size: int | None, dtype: str, out_dir, seed: int = 0,
         tp_size: int = 1, rounds: int = 1, modes: tuple[str, ...] = DEFAULT_MODES,
-        recalibrate: bool = False, quantization: str | None = None) -> list:
+        recalibrate: bool = False, quantization: str | None = None,
+        draft_quantization: str | None = None) -> list:
     """Every mode of MODES asked for, on the same prompts, at every concurrency. The modes of one
     concurrency run back to back, in the reverse order of the concurrency before and of the same
     concurrency's previous round (A F T, T F A, ...; `rounds` repeats the whole): the machine's
@@ -118,7 +119,8 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
             target, draft if spec else None, dtype=dtype, block_size=block_size if spec else None,
             max_num_seqs=max(concurrencies), tp_size=tp_size,
             speculation=mode if spec else "adaptive",
-            recalibrate=recalibrate and mode not in engines, quantization=quantization)
+            recalibrate=recalibrate and mode not in engines, quantization=quantization,
+            draft_quantization=draft_quantization if spec else None)
         if mode not in engines:
             engines[mode] = {"dtype": str(llm.dtype).removeprefix("torch."),
                              "cost_model": None if llm.cost_model is None
@@ -163,9 +165,11 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
     # runs that differ in what the file cannot tell by its name get their own file
     isa = info.get("onednn_max_cpu_isa")
     stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "") + \
+        (f"-draft-{draft_quantization}" if draft_quantization else "") + \
         (f"-t{temperature:g}" if temperature else "") + (f"-{isa.lower()}" if isa else "")
     (out / f"{stem}.json").write_text(json.dumps(
-        {"host": info, "dtype": dtype, "quantization": quantization, "temperature": temperature,
+        {"host": info, "dtype": dtype, "quantization": quantization,
+         "draft_quantization": draft_quantization, "temperature": temperature,
          "max_tokens": max_tokens, "block_size": block_size, "engines": engines, "rows": rows},
         indent=1))
     plot(rows, out / f"{stem}.png", host.summary(info))

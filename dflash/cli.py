@@ -72,8 +72,8 @@ DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes f
 
 def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True,
                     quantization: str | None = None) -> None:
-    """--dtype, --quantization (default `quantization`; "auto" adds that choice), --recalibrate,
-    and for DFlash engines --speculation."""
+    """--dtype, --quantization (default `quantization`; "auto" adds that choice),
+    --draft-quantization, --recalibrate, and for DFlash engines --speculation."""
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--quantization", default=quantization,
                    choices=QUANTIZATION_CHOICES + (["auto"] if quantization == "auto" else []),
@@ -82,6 +82,10 @@ def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True,
                             "; auto (default): the bundled target's shipped Q4_1 weights or "
                             "their rounding to the dtype, whichever is expected to decode "
                             "faster" if quantization == "auto" else "; default: none"))
+    p.add_argument("--draft-quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="quantize the draft's block weights on load the same way (it only "
+                        "proposes: its speed and acceptance move, never the output); "
+                        "default: none")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the engine's cost model again instead of reading its cache")
     if speculation:
@@ -119,7 +123,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     with LLM(resolve_target(args.target), resolve_draft(args), dtype=args.dtype,
              max_num_seqs=args.max_num_seqs, tp_size=args.tp, speculation=args.speculation,
-             recalibrate=args.recalibrate, quantization=args.quantization) as llm:
+             recalibrate=args.recalibrate, quantization=args.quantization,
+             draft_quantization=args.draft_quantization) as llm:
         return _generate_with(llm, prompts, args)
 
 
@@ -199,7 +204,7 @@ def _bench(args: argparse.Namespace) -> int:
               [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.temperature,
               args.block_size, args.dtype, args.out, tp_size=args.tp, rounds=args.rounds,
               modes=tuple(args.modes.split(",")), recalibrate=args.recalibrate,
-              quantization=args.quantization)
+              quantization=args.quantization, draft_quantization=args.draft_quantization)
     return 0
 
 
@@ -207,7 +212,8 @@ def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
     demo.run(dtype=args.dtype, max_tokens=args.max_tokens, speculation=args.speculation,
-             recalibrate=args.recalibrate, quantization=args.quantization)
+             recalibrate=args.recalibrate, quantization=args.quantization,
+             draft_quantization=args.draft_quantization)
     return 0
 
 
@@ -223,7 +229,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs(
         target, resolve_draft(args), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, speculation=args.speculation,
-        recalibrate=args.recalibrate, quantization=args.quantization), isolate_errors=True)
+        recalibrate=args.recalibrate, quantization=args.quantization,
+        draft_quantization=args.draft_quantization), isolate_errors=True)
     try:
         if engine.tokenizer is None:
             print("dflash serve: the target has no tokenizer", file=sys.stderr)

@@ -26,18 +26,20 @@ QUESTIONS = [
 
 
 def run(dtype: str = "auto", max_tokens: int = 256, speculation: str = "adaptive",
-        recalibrate: bool = False, quantization: str | None = "auto", out=sys.stdout) -> dict:
+        recalibrate: bool = False, quantization: str | None = "auto",
+        draft_quantization: str | None = None, out=sys.stdout) -> dict:
     """Both engines with the same settings; with dtype "auto" each takes the dtype that decodes
     fastest for it on this host (target-only decoding is compared at its best), and DFlash's
     texts are compared with target-only decoding in DFlash's own dtype. quantization "auto":
-    `choose_weights`."""
+    `choose_weights`; draft_quantization: the DFlash engine's draft weights."""
     target = assets.smollm2_target()
     draft = assets.bundled_draft()
     sp = SamplingParams(max_tokens=max_tokens)
 
     def engine(q):
         return LLM(target, draft, dtype=dtype, max_num_seqs=1, speculation=speculation,
-                   recalibrate=recalibrate, quantization=q)
+                   recalibrate=recalibrate, quantization=q,
+                   draft_quantization=draft_quantization)
 
     if quantization == "auto":
         quantization, spec, rates = choose_weights(engine)

@@ -6,7 +6,9 @@ on exact inputs, rows independent of the rows beside them, and DFlash over a qua
 token for token equal to that target's own decoding. (8-bit bad inputs, opcheck: test_layer_ops.)
 """
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -439,6 +441,9 @@ def test_an_unknown_quantization_is_refused_and_the_cli_offers_the_known_ones():
     with pytest.raises(ValueError, match="quantization must be None or one of \\['int8', "
                                          "'int4'\\], got 'int2'"):
         EngineArgs("target", quantization="int2")
+    with pytest.raises(ValueError, match="draft_quantization must be None or one of "
+                                         "\\['int8', 'int4'\\], got 'bf16'"):
+        EngineArgs("target", draft_quantization="bf16")
     assert QUANTIZATION_CHOICES == list(QUANTIZATIONS)
 
 
@@ -476,3 +481,39 @@ def test_dflash_over_a_quantized_target_equals_its_own_decoding(pair, quantizati
     assert not torch.equal(got, want)
     tol = 0.05 if quantization == "int8" else 0.3
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("draft_quantization", ["int8", "int4"])
+def test_a_quantized_draft_changes_no_output(pair, tmp_path, draft_quantization):
+    """The draft's block GEMM weights (each layer's q, o and MLP; the K/V slices, the context
+    projection, and a draft vocabulary's head) quantized: their products near the float draft's
+    (not equal), the target untouched, and DFlash's output still the target's own, token for
+    token."""
+    target, draft, _ = pair
+    vocab_draft = tmp_path / "draft"
+    shutil.copytree(draft, vocab_draft)
+    (vocab_draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(3, 35))}))
+    sp = [SamplingParams(max_tokens=24 + 4 * i) for i in range(len(PROMPTS))]
+    expected = [o.token_ids for o in LLM(target, dtype="float32", max_num_seqs=4).generate(
+        PROMPTS, sp)]
+    plain = LLM(target, vocab_draft, dtype="float32", max_num_seqs=2, speculation="fixed")
+    llm = LLM(target, vocab_draft, dtype="float32", max_num_seqs=2, speculation="fixed",
+              draft_quantization=draft_quantization)
+    d, f = llm.draft, plain.draft
+    pairs = [(d.layers[0].q, f.layers[0].q), (d.layers[1].mlp.down, f.layers[1].mlp.down),
+             (d.layers[1].mlp.gate_up, f.layers[1].mlp.gate_up), (d.layers[0].o, f.layers[0].o),
+             (d.packed_kv[1], f.packed_kv[1]), (d.packed_fc, f.packed_fc),
+             (llm.worker.draft_head, plain.worker.draft_head)]
+    g = torch.Generator().manual_seed(1)
+    for got, want in pairs:
+        assert isinstance(got, QuantizedWeight) and not isinstance(want, QuantizedWeight)
+        assert (got.mins is None) == (draft_quantization == "int8")
+        x = torch.randn(3, unpacked(want).shape[1], generator=g)
+        y, z = linear(x, got), linear(x, want)
+        tol = 0.05 if draft_quantization == "int8" else 0.3
+        assert not torch.equal(y, z)
+        torch.testing.assert_close(y, z, rtol=tol, atol=tol * float(z.abs().max()))
+    assert not isinstance(llm.target.layers[0].attn.qkv, QuantizedWeight)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics.num_drafts for o in outs) > 0

@@ -146,16 +146,17 @@ def test_tp2_adaptive_calibrates_through_the_group_and_stays_exact(models):
 
 def test_tp2_quantized_target_stays_exact(models):
     """An int8 target split over two ranks (the row-parallel projections' K halves hold whole
-    groups of 32): DFlash, verifying blocks of 8 rows, equals target-only decoding of the same
-    split, token for token."""
+    groups of 32), with an int8 draft on every rank: DFlash, verifying blocks of 8 rows, equals
+    target-only decoding of the same split, token for token."""
     target, draft = models["qwen3"]
     greedy = [SamplingParams(max_tokens=10 + 5 * i) for i in range(len(PROMPTS))]
     with LLM(target, None, dtype="float32", max_num_seqs=3, tp_size=2, tp_timeout=60,
              quantization="int8") as base:
         expected = [o.token_ids for o in base.generate(PROMPTS, greedy)]
     with _llm(target, draft, tp_size=2, tp_timeout=60, draft_sampling="greedy",
-              quantization="int8") as llm:
+              quantization="int8", draft_quantization="int8") as llm:
         assert isinstance(llm.target.layers[0].attn.o, QuantizedWeight)
+        assert isinstance(llm.draft.layers[0].q, QuantizedWeight)
         outs = llm.generate(PROMPTS, greedy)
         assert [o.token_ids for o in outs] == expected
         # every step verified a full block (the random draft's tokens are rarely accepted)

@@ -32,6 +32,7 @@ class EngineArgs:
     speculation: str = "adaptive"
     recalibrate: bool = False
     quantization: str | None = None
+    draft_quantization: str | None = None
 
     def __post_init__(self):
         if self.cp_size != 1:
@@ -44,9 +45,10 @@ class EngineArgs:
         if self.speculation not in ("adaptive", "chain", "fixed"):
             raise ValueError(f"speculation must be 'adaptive', 'chain' or 'fixed', "
                              f"got {self.speculation!r}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, "
-                             f"got {self.quantization!r}")
+        for name in ("quantization", "draft_quantization"):
+            if getattr(self, name) not in (None, *QUANTIZATIONS):
+                raise ValueError(f"{name} must be None or one of {list(QUANTIZATIONS)}, "
+                                 f"got {getattr(self, name)!r}")
         if self.dtype != "auto":
             dtype = DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) \
                 else self.dtype

@@ -138,7 +138,8 @@ class Group:
     process group. `target` / `draft` are checkpoint paths each follower loads its part of."""
 
     def __init__(self, size: int, target, draft, dtype: torch.dtype, device, timeout: float,
-                 max_positions: int, quantization: str | None = None):
+                 max_positions: int, quantization: str | None = None,
+                 draft_quantization: str | None = None):
         device = torch.device(device)
         if device.type not in BACKENDS:
             raise ValueError(f"tensor parallelism supports devices {list(BACKENDS)}, "
@@ -160,7 +161,8 @@ class Group:
             spec = dict(target=str(target), draft=None if draft is None else str(draft),
                         dtype=dtype, device=str(device), backend=BACKENDS[device.type],
                         port=store.port, timeout=timeout, threads=threads,
-                        max_positions=max_positions, quantization=quantization)
+                        max_positions=max_positions, quantization=quantization,
+                        draft_quantization=draft_quantization)
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_follow, args=(rank, size, theirs, spec), daemon=True,
@@ -296,7 +298,8 @@ def _follow(rank: int, size: int, conn, spec: dict) -> None:
         target = load_target(spec["target"], spec["dtype"], device, tp, spec["max_positions"],
                              spec["quantization"])
         draft = None if spec["draft"] is None else \
-            load_draft(spec["draft"], target.cfg, spec["dtype"], device, spec["max_positions"])
+            load_draft(spec["draft"], target.cfg, spec["dtype"], device, spec["max_positions"],
+                       spec["draft_quantization"])
         worker_args = conn.recv()
         if worker_args is not None:   # None: rank 0 gave up before building its worker
             worker = TPWorker(tp, None, target, draft, *worker_args)

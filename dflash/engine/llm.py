@@ -58,7 +58,10 @@ class LLM:
         quantization: None (default: the target's GEMM weights in `dtype`), "int8" or "int4":
             its dense linear weights and lm_head quantized on load per output column and group
             of 32 inputs, in llama.cpp's Q8_0 / Q4_1 forms (docs/design.md 4.7; CPU). The draft
-            stays in `dtype`.
+            stays in `dtype` unless `draft_quantization` says otherwise.
+        draft_quantization: None (default) or "int8" / "int4": the draft's block GEMM weights
+            quantized the same way. It only proposes, so this moves acceptance (a little) and
+            its pass's cost, never the output.
 
     Attributes: `engine` (the `LLMEngine` it drives) and, read from it, `target`, `draft`,
     `tokenizer`, `dtype` (the torch dtype in use), `block_size`, `max_num_seqs`,
@@ -73,11 +76,11 @@ class LLM:
                  num_kv_blocks: int | None = None, draft_sampling: str = "greedy",
                  cp_size: int = 1, tokenizer=None, tp_size: int = 1, tp_timeout: float = 300.0,
                  speculation: str = "adaptive", recalibrate: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, draft_quantization: str | None = None):
         self.engine = LLMEngine(EngineArgs(
             target, draft, dtype, device, max_num_seqs, block_size, kv_block_size, max_model_len,
             num_kv_blocks, draft_sampling, cp_size, tokenizer, tp_size, tp_timeout, speculation,
-            recalibrate, quantization))
+            recalibrate, quantization, draft_quantization))
 
     target = _from_engine("target")
     draft = _from_engine("draft")

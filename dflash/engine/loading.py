@@ -56,7 +56,7 @@ def load(args: EngineArgs) -> Loaded:
 def _build(args: EngineArgs, dtype: torch.dtype) -> Loaded:
     group = None if args.tp_size == 1 else distributed.Group(
         args.tp_size, args.target, args.draft, dtype, args.device, args.tp_timeout,
-        args.served_len, args.quantization)
+        args.served_len, args.quantization, args.draft_quantization)
     try:
         return _load_models(args, dtype, group)
     except BaseException:
@@ -71,7 +71,7 @@ def _load_models(args: EngineArgs, dtype: torch.dtype, group) -> Loaded:
     served = args.served_len   # RoPE tables cover what is served, no more
     target = load_target(args.target, dtype, device, tp, served, args.quantization)
     draft = None if args.draft is None else load_draft(args.draft, target.cfg, dtype, device,
-                                                       served)
+                                                       served, args.draft_quantization)
     tokenizer = args.tokenizer if args.tokenizer is not None else load_tokenizer(args.target)
     block_size = args.block_size
     if block_size is None:
@@ -101,7 +101,8 @@ def _cost_key(args: EngineArgs, name: str) -> dict:
     alone, so a cached choice needs no model loaded)."""
     shape = {k: getattr(args, k) for k in ("tp_size", "max_num_seqs", "block_size",
                                            "kv_block_size", "max_model_len", "num_kv_blocks",
-                                           "draft_sampling", "quantization")}
+                                           "draft_sampling", "quantization",
+                                           "draft_quantization")}
     return cost_model.cache_key(args.target, args.draft, name, device=str(args.device), **shape)
 
 

@@ -28,7 +28,7 @@ import torch
 
 from .. import ops, sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
-from ..models.layers import build_metadata, pack_linear_weight
+from ..models.layers import build_metadata, inference_weight
 from ..sampling import noise
 from .cost_model import fastest_each
 from .request import Request
@@ -85,8 +85,9 @@ class Worker:
         self.capture = () if draft is None else draft.cfg.target_layer_ids
         vocab = None if draft is None else draft.draft_vocab
         # the rows of the lm_head the draft may propose (None: all of them, via target.logits)
-        self.draft_head = None if vocab is None else pack_linear_weight(
-            target.output_rows(vocab) if draft.lm_head is None else draft.lm_head)
+        self.draft_head = None if vocab is None else inference_weight(
+            target.output_rows(vocab) if draft.lm_head is None else draft.lm_head,
+            draft.quantization)
         self.draft_vocab = vocab
         self.mask_token_id = None if draft is None else draft.cfg.mask_token_id
         self.backlog_rows = 0 if draft is None else \

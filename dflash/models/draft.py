@@ -19,9 +19,10 @@ from .config import DraftConfig
 from .layers import (
     AttentionMetadata,
     add_rms_norm,
+    inference_weight,
     linear,
-    pack_linear_weight,
     pack_parameter,
+    quantize_parameter,
     rms_norm,
     rope,
     rope_cos_sin,
@@ -88,6 +89,7 @@ class DFlashDraft(nn.Module):
         self.lm_head: torch.Tensor | None = None
         self.packed_kv: list[torch.Tensor] = []   # see pack_weights
         self.packed_fc: torch.Tensor | None = None
+        self.quantization: str | None = None   # the block GEMMs' weight format (quantize)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """[layers, 2 (K, V), num_blocks, block_size, Hkv, D]."""
@@ -100,17 +102,30 @@ class DFlashDraft(nn.Module):
         sl = slice(layer * rows, (layer + 1) * rows)
         return self.kv_weight[sl], None if self.kv_bias is None else self.kv_bias[sl]
 
+    def quantize(self, quantization: str) -> None:
+        """Inference only: quantize the block's GEMM weights (`layers.quantize_linear_weight`:
+        the layers' q, o and MLP weights now; the K/V slices and the context projection when
+        `pack_weights` copies them, and the engine's draft vocabulary head likewise). The draft
+        only proposes, so its weight format moves acceptance, never the output. Weights the
+        format cannot hold stay in the model's dtype."""
+        dtype = self.norm.dtype
+        for layer in self.layers:
+            for module, name in ((layer, "q"), (layer, "o"),
+                                 *((layer.mlp, w) for w in layer.mlp.WEIGHTS)):
+                quantize_parameter(module, name, quantization, dtype)
+        self.quantization = quantization
+
     def pack_weights(self) -> None:
-        """Inference only: the block GEMM weights in the fast CPU layout (`pack_linear_weight`).
-        The fused kv_weight stays plain for context_kv; the block path gets packed slices, and
-        the context's fc projection runs before context_kv through a packed copy (a few rows a
-        step: there torch's GEMM costs about twice panel_linear's)."""
-        self.packed_fc = pack_linear_weight(self.fc.data)
+        """Inference only: the block GEMM weights in the fast CPU layout (`pack_linear_weight`),
+        or in `quantization`'s format. The fused kv_weight stays plain for context_kv; the block
+        path gets packed slices, and the context's fc projection runs before context_kv through
+        a packed copy (a few rows a step: there torch's GEMM costs about twice panel_linear's)."""
+        self.packed_fc = inference_weight(self.fc.data, self.quantization)
         for layer in self.layers:
             pack_parameter(layer, "q")
             pack_parameter(layer, "o")
             layer.mlp.pack_weights()
-        self.packed_kv = [pack_linear_weight(self.layer_kv(i)[0])
+        self.packed_kv = [inference_weight(self.layer_kv(i)[0], self.quantization)
                           for i in range(self.cfg.num_layers)]
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,

@@ -252,6 +252,13 @@ def unpacked(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     return ops.from_panels(weight) if is_panels(weight) else weight
 
 
+def inference_weight(weight: torch.Tensor, quantization: str | None = None):
+    """A linear weight [N, K] in the form inference multiplies: quantized to `quantization`
+    (`quantize_linear_weight`) where that format holds it, else packed (`pack_linear_weight`)."""
+    quantized = None if quantization is None else quantize_linear_weight(weight, quantization)
+    return pack_linear_weight(weight) if quantized is None else quantized
+
+
 def pack_parameter(module: torch.nn.Module, name: str) -> None:
     """Replace the weight parameter `name` of `module` by its packed form (`pack_linear_weight`;
     a quantized weight, an attribute rather than a parameter, stays as it is)."""

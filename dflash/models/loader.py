@@ -440,10 +440,11 @@ def _quantize(model: TargetModel, quantization: str, dtype: torch.dtype, name: s
 
 
 def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu", max_positions: int | None = None
-               ) -> DFlashDraft:
+               device: torch.device | str = "cpu", max_positions: int | None = None,
+               quantization: str | None = None) -> DFlashDraft:
     """A DFlashDraftModel directory, validated against its target (docs/design.md section 2);
-    `max_positions` as for load_target."""
+    `max_positions` as for load_target; `quantization` (layers.QUANTIZATIONS, or None): the
+    format of its block GEMM weights (`DFlashDraft.quantize`, for inference only)."""
     path = _resolve(path)
     config = read_config(path)
     cfg = DraftConfig.from_hf(config, target)
@@ -464,6 +465,8 @@ def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
     if model.draft_vocab is not None:
         model.draft_vocab = model.draft_vocab.to(device)
         model.lm_head = None if model.lm_head is None else model.lm_head.to(device)
+    if quantization is not None:
+        model.quantize(quantization)
     return model.eval()
 
 
