@@ -410,11 +410,11 @@ class Worker:
         if not requests:
             return []
         first = list(accumulate((len(t) for t in trees), initial=0))
-        nodes = torch.tensor([s + n for s, t in zip(starts, trees) for n in range(len(t))],
-                             device=logits.device)
+        nodes = [s + n for s, t in zip(starts, trees) for n in range(len(t))]
+        if nodes != list(range(len(logits))):   # greedy requests' rows among them
+            logits = logits[torch.tensor(nodes, device=logits.device)]
         probs = sampling.target_probs(
-            logits[nodes][:, None], [r.params for r, t in zip(requests, trees) for _ in t.tokens]
-        )[:, 0]
+            logits[:, None], [r.params for r, t in zip(requests, trees) for _ in t.tokens])[:, 0]
         totals = probs.sum(-1).tolist()
         # each child's mass in its parent's distribution (int64 given: the lists are empty when
         # every tree is its root alone)
@@ -445,7 +445,7 @@ class Worker:
                                  [o + t.depths[path[-1]] for o, t, (path, _) in
                                   zip(offsets, trees, walks)],
                                  noise.TARGET_RACE, 1, probs.shape[-1], logits.device)[:, 0]
-        bonus = (torch.stack(residuals) / race).argmax(-1).tolist()
+        bonus = torch.stack(residuals).div_(race).argmax(-1).tolist()
         return [(path, b) for (path, _), b in zip(walks, bonus)]
 
     def _commit_paths(self, rows: list[list[int]], targets: list[list[int]],

@@ -111,21 +111,26 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     if logits.dim() != 3 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [Bs, R, V] with Bs = {len(params)} (one row of "
                          f"params per sequence), got shape {list(logits.shape)}")
-    greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-    if bool(greedy.all()):
+    is_greedy = [p.is_greedy for p in params]
+    if all(is_greedy):
         return one_hot_argmax(logits)
+    if not any(is_greedy):   # no rows to pick apart: [Bs, R, V] buffers cost their page faults
+        return _sampling_probs(logits, params)
+    greedy = torch.tensor(is_greedy, device=logits.device)
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    if greedy.any():
-        out[greedy] = one_hot_argmax(logits[greedy])
-    sampling = [p for p in params if not p.is_greedy]
-    if sampling:
-        col = lambda xs: torch.tensor(xs, device=logits.device)[:, None, None]  # noqa: E731
-        x = logits[~greedy].float() / col([p.temperature for p in sampling]).float()
-        # a k past the vocabulary keeps every token (and would overflow an int64 tensor)
-        top_k = col([min(p.top_k, logits.shape[-1]) for p in sampling])
-        x = _top_k_top_p(x, top_k, col([p.top_p for p in sampling]))
-        out[~greedy] = torch.softmax(x, dim=-1)
+    out[greedy] = one_hot_argmax(logits[greedy])
+    out[~greedy] = _sampling_probs(logits[~greedy], [p for p in params if not p.is_greedy])
     return out
+
+
+def _sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """target_probs of sampling rows only."""
+    col = lambda xs: torch.tensor(xs, device=logits.device)[:, None, None]  # noqa: E731
+    x = logits.float() / col([p.temperature for p in params]).float()
+    # a k past the vocabulary keeps every token (and would overflow an int64 tensor)
+    top_k = col([min(p.top_k, logits.shape[-1]) for p in params])
+    x = _top_k_top_p(x, top_k, col([p.top_p for p in params]))
+    return torch.softmax(x, dim=-1)
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
