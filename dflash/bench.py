@@ -206,6 +206,7 @@ def _mode_summary(run: tuple, baseline: tuple, temperature: float, engine: dict)
         "num_drafts": m["num_drafts"],
         "accepted_per_position": m["accepted_per_position"],
         "accepted_length_histogram": accepted_length_histogram(m),
+        "tree_confidence": m["tree_confidence"],
     }
 
 
@@ -231,9 +232,10 @@ def _flatten(row: dict, modes: tuple[str, ...]) -> dict:
 
 def plot(rows: list[dict], path, host_line: str) -> None:
     """Acceptance per draft position and accepted lengths (of fixed blocks if measured: with
-    adaptive sizes the later positions are verified less often), and the verify sizes the
-    adaptive (else chain) engine chose; the title names the host (`host.summary`) and each
-    concurrency's speedup."""
+    adaptive sizes the later positions are verified less often), the verify sizes the
+    adaptive (else chain) engine chose, and, where it verified trees, how often tree nodes were
+    accepted against the draft's confidence in them; the title names the host
+    (`host.summary`) and each concurrency's speedup."""
     from ._optional import pyplot
 
     plt = pyplot("bench", "the benchmark's acceptance plot")
@@ -241,7 +243,8 @@ def plot(rows: list[dict], path, host_line: str) -> None:
     modes = rows[0]["modes"]
     chosen = next((x for x in ("adaptive", "chain") if x in modes), None)
     blocks = "fixed" if "fixed" in modes else chosen
-    panels = 3 if chosen else 2
+    trees = chosen == "adaptive" and any(row["modes"][chosen]["tree_steps"] for row in rows)
+    panels = 2 + (chosen is not None) + trees
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     width = 0.8 / len(rows)
     for k, row in enumerate(rows):
@@ -253,19 +256,30 @@ def plot(rows: list[dict], path, host_line: str) -> None:
         hist = m["accepted_length_histogram"]
         axes[1].bar([i + width * k for i in range(len(hist))], [h / drafts for h in hist],
                     width=width, label=label)
-        if panels == 3:
+        if chosen:
             verified = {int(n): c for n, c in
                         row["modes"][chosen]["verified_histogram"].items()}
             total = max(sum(verified.values()), 1)
             axes[2].bar([n + width * k for n in verified], [c / total for c in verified.values()],
                         width=width, label=label)
+        if trees:
+            c = row["modes"][chosen]["tree_confidence"]
+            seen = [i for i, n in enumerate(c["verified"]) if n]
+            axes[3].plot([c["bin_upper"][i] - 0.5 / len(c["bin_upper"]) for i in seen],
+                         [c["accepted"][i] / c["verified"][i] for i in seen], marker="o",
+                         label=label)
     axes[0].set(xlabel="draft position", ylabel="fraction of steps accepted", ylim=(0, 1),
                 title=f"acceptance per draft position ({blocks})")
     axes[1].set(xlabel="accepted drafts per step", ylabel="fraction of steps",
                 title=f"accepted length ({blocks})")
-    if panels == 3:
+    if chosen:
         axes[2].set(xlabel="drafts or tree nodes verified (0 = no speculation)",
                     ylabel="fraction of request-steps", title=f"verify sizes chosen ({chosen})")
+    if trees:
+        axes[3].plot([0, 1], [0, 1], color="gray", linestyle=":", label="acceptance = confidence")
+        axes[3].set(xlabel="draft path probability of a verified tree node (bin centre)",
+                    ylabel="fraction accepted", xlim=(0, 1), ylim=(0, 1),
+                    title="draft confidence against acceptance (adaptive)")
     for ax in axes:
         ax.legend()
     first = chosen or blocks

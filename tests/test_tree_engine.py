@@ -3,15 +3,17 @@ and greedy output equal to target-only decoding whatever trees are verified."""
 
 import itertools
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from dflash import LLM, SamplingParams, sampling
-from dflash.engine import tree
+from dflash.engine import RequestMetrics, tree
 from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import TREE_MARGIN, Planner
+from dflash.engine.stats import Stats
 
 from helpers import (
     RandomVerifySchedule,
@@ -208,6 +210,36 @@ def test_any_trees_give_target_only_greedy_output(models, expected, max_num_seqs
     m = llm.metrics()
     assert m["tree_steps"] > 0 and max(m["tree_node_histogram"]) > B - 1
     assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_tree_steps_count_nodes_by_the_draft_confidence_in_them():
+    """Stats bins each verified draft node by its path probability (bins of 1/20, the last
+    closed) and counts it accepted when it lies on its tree's accepted path."""
+    stats = Stats(B)
+    requests = [SimpleNamespace(metrics=RequestMetrics()) for _ in range(2)]
+    # node scores: root, 1.0 (bin 19), 0.5 (bin 10), 0.93 (bin 18, child of 1), 0.04 (bin 0)
+    t1 = tree.Tree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], [1.0, 1.0, 0.5, 0.93, 0.04])
+    t2 = tree.Tree([3], [-1], [0], [1.0])   # a sequence that did not draft
+    stats.record_tree_step(requests, [t1, t2], [[0, 1, 3], [0]])
+    c = stats.summary()["tree_confidence"]
+    assert c["bin_upper"][0] == 0.05 and c["bin_upper"][-1] == 1.0 and len(c["bin_upper"]) == 20
+    assert {i: n for i, n in enumerate(c["verified"]) if n} == {0: 1, 10: 1, 18: 1, 19: 1}
+    assert {i: n for i, n in enumerate(c["accepted"]) if n} == {18: 1, 19: 1}
+    assert stats.tree_nodes == {4: 1, 0: 1} and stats.tree_depths == {2: 1, 0: 1}
+
+
+def test_the_confidence_counts_add_up_to_the_nodes_verified_and_accepted(models):
+    """llm.metrics()'s confidence bins hold every verified draft node once and every accepted
+    one once: their totals equal those of the node and accepted-depth histograms."""
+    llm = LLM(*models, dtype="float32", max_num_seqs=3, speculation="adaptive")
+    llm.engine.planner = RandomVerifySchedule(3, k_max=B - 1)
+    llm.generate(PROMPTS, [SamplingParams(max_tokens=12)] * len(PROMPTS))
+    m = llm.metrics()
+    c = m["tree_confidence"]
+    assert sum(c["verified"]) == sum(k * n for k, n in m["tree_node_histogram"].items()) > 0
+    assert sum(c["accepted"]) == \
+        sum(d * n for d, n in m["tree_accepted_depth_histogram"].items()) > 0
+    assert all(a <= v for a, v in zip(c["accepted"], c["verified"]))
 
 
 def test_the_cache_after_tree_steps_equals_one_token_decoding(models):

@@ -220,8 +220,7 @@ class LLMEngine:
             trees, paths = [t for _, t, _ in results], [p for _, _, p in results]
             self.planner.observe_trees(ok, trees, paths, tree.depth_limits(ks, self.block_size - 1),
                                        time.perf_counter() - step_start)
-            self.stats.record_tree_step(ok, [len(t) - 1 for t in trees],
-                                        [len(p) - 1 for p in paths])
+            self.stats.record_tree_step(ok, trees, paths)
         self._commit_each(ok, [tokens for tokens, _, _ in results])
 
     def _plan(self, running: list[Request]) -> list[int]:

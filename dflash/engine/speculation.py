@@ -232,12 +232,7 @@ class Planner:
         (0: it did not draft): the calibration from every verified node, the per-position
         acceptance as for a chain as deep as the tree, the time correction from its rows and
         its draft pass (priced as `plan` and `choose_nodes` price it)."""
-        scores, depths, accepted = [], [], []
-        for t, path in zip(trees, paths):
-            on_path = set(path)
-            scores += t.scores[1:]
-            depths += t.depths[1:]
-            accepted += [n in on_path for n in range(1, len(t))]
+        scores, depths, accepted = tree.verified_nodes(trees, paths)
         if scores:
             self.calibration.observe(scores, depths, accepted)
         self.observe(requests, [max(t.depths) for t in trees], [len(p) - 1 for p in paths])

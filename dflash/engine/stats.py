@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import tree
 from .request import Request, RequestMetrics
 
 
@@ -22,6 +23,10 @@ class Stats:
         self.tree_steps = 0
         self.tree_nodes: dict[int, int] = {}     # request-steps of tree steps by nodes verified
         self.tree_depths: dict[int, int] = {}    # ... by accepted depth
+        # draft nodes of tree steps by their draft path probability (tree.BINS bins), and those
+        # of them on the accepted path: how well the draft's confidence predicts acceptance
+        self.confidence_verified = [0] * tree.BINS
+        self.confidence_accepted = [0] * tree.BINS
 
     def add(self, m: RequestMetrics) -> None:
         """Count a finished request."""
@@ -52,17 +57,22 @@ class Stats:
             if k > 0:
                 r.metrics.record_step(k, a)
 
-    def record_tree_step(self, running: list[Request], nodes: list[int],
-                         accepted: list[int]) -> None:
-        """Count a tree step in which running[i] verified nodes[i] draft nodes and accepted a
-        path of accepted[i] of them."""
+    def record_tree_step(self, running: list[Request], trees: list[tree.Tree],
+                         paths: list[list[int]]) -> None:
+        """Count a tree step in which running[i] verified trees[i] and accepted the path
+        paths[i] (node indices from the root)."""
         self.steps += 1
         self.tree_steps += 1
-        for r, k, a in zip(running, nodes, accepted):
+        for r, t, path in zip(running, trees, paths):
+            k, a = len(t) - 1, len(path) - 1
             self.tree_nodes[k] = self.tree_nodes.get(k, 0) + 1
             self.tree_depths[a] = self.tree_depths.get(a, 0) + 1
             if k > 0:
                 r.metrics.record_step(k, a)
+        scores, _, accepted = tree.verified_nodes(trees, paths)
+        for b, hit in zip(tree.confidence_bins(scores).tolist(), accepted):
+            self.confidence_verified[b] += 1
+            self.confidence_accepted[b] += hit
 
     def summary(self) -> dict:
         b = self.block_size
@@ -87,4 +97,9 @@ class Stats:
             # request-steps of tree steps by draft nodes verified, and by accepted depth
             "tree_node_histogram": dict(sorted(self.tree_nodes.items())),
             "tree_accepted_depth_histogram": dict(sorted(self.tree_depths.items())),
+            # verified draft nodes by draft path probability (bins up to bin_upper), and how
+            # many of them were accepted
+            "tree_confidence": {"bin_upper": tree.BIN_UPPERS,
+                                "verified": list(self.confidence_verified),
+                                "accepted": list(self.confidence_accepted)},
         }

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 BINS = 20                 # calibration bins over the draft's path probability, per depth
+BIN_UPPERS = [round((i + 1) / BINS, 3) for i in range(BINS)]   # each bin's upper bound
 DEPTHS = 16               # depths calibrated apart (deeper nodes share the last)
 CALIBRATION_PRIOR = 4.0   # pseudo-observations of a bin's prior (the raw score; per depth: the
                           # estimate over all depths)
@@ -116,6 +117,24 @@ def walk_sampled(tree: Tree, totals: list[float], masses: list[float],
             return path, refused
 
 
+def verified_nodes(trees: list[Tree], paths: list[list[int]]
+                   ) -> tuple[list[float], list[int], list[bool]]:
+    """Every draft node of verified trees (roots left out): its draft path probability, its
+    depth, and whether it lies on its tree's accepted path."""
+    scores, depths, accepted = [], [], []
+    for t, path in zip(trees, paths):
+        on_path = set(path)
+        scores += t.scores[1:]
+        depths += t.depths[1:]
+        accepted += [n in on_path for n in range(1, len(t))]
+    return scores, depths, accepted
+
+
+def confidence_bins(scores) -> np.ndarray:
+    """The bin (of BINS equal ones over [0, 1]) of each draft path probability."""
+    return np.minimum((np.asarray(scores, dtype=np.float64) * BINS).astype(np.int64), BINS - 1)
+
+
 def reject(residual, token: int):
     """The residual after one-hot proposal `token` was rejected: its mass removed (the rest is
     renormalised where it is read)."""
@@ -140,8 +159,7 @@ class Calibration:
 
     @staticmethod
     def _cells(scores, depths) -> tuple[np.ndarray, np.ndarray]:
-        bins = np.minimum((np.asarray(scores) * BINS).astype(np.int64), BINS - 1)
-        return np.minimum(np.asarray(depths, dtype=np.int64), DEPTHS) - 1, bins
+        return np.minimum(np.asarray(depths, dtype=np.int64), DEPTHS) - 1, confidence_bins(scores)
 
     def _estimate(self, rows, bins) -> np.ndarray:
         overall = self.accepted[bins] / self.offered[bins]
@@ -164,7 +182,7 @@ class Calibration:
     def as_dict(self) -> dict[str, list]:
         """acceptance[d - 1][i]: the estimate at depth d for scores in bin i."""
         rows, bins = np.meshgrid(np.arange(DEPTHS), np.arange(BINS), indexing="ij")
-        return {"bin_upper": [round((i + 1) / BINS, 3) for i in range(BINS)],
+        return {"bin_upper": BIN_UPPERS,
                 "acceptance": np.round(self._estimate(rows, bins), 4).tolist()}
 
 

@@ -12,6 +12,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ..engine import tree
+from ..engine.stats import Stats
+
 # vLLM's buckets
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -79,14 +82,25 @@ class ServerMetrics:
         self._tree_depths = Gauge("dflash:spec_decode_tree_accepted_depth",
                                   "Request-steps of tree steps, by accepted path length.",
                                   ["model_name", "depth"], registry=r)
+        self._confidence = {
+            kind: Gauge(f"dflash:spec_decode_tree_{kind}_nodes",
+                        f"Draft nodes of tree steps {doc}, by the draft's path probability (the "
+                        "upper bound of its bin).", ["model_name", "confidence"], registry=r)
+            for kind, doc in (("verified", "verified"),
+                              ("accepted", "on the accepted path"))}
 
-    def set_trees(self, steps: int, nodes: dict[int, int], depths: dict[int, int]) -> None:
-        """The engine's tree figures (`Stats`): totals since start."""
-        self.tree_steps.set(steps)
-        for k, n in nodes.items():
+    def set_trees(self, stats: Stats) -> None:
+        """The engine's tree figures: totals since start. The accepted / verified nodes of a
+        confidence bin are how often the draft's confidence there came true."""
+        self.tree_steps.set(stats.tree_steps)
+        for k, n in stats.tree_nodes.items():
             self._tree_nodes.labels(nodes=str(k), **self.label).set(n)
-        for k, n in depths.items():
+        for k, n in stats.tree_depths.items():
             self._tree_depths.labels(depth=str(k), **self.label).set(n)
+        for kind, counts in (("verified", stats.confidence_verified),
+                             ("accepted", stats.confidence_accepted)):
+            for upper, n in zip(tree.BIN_UPPERS, counts):
+                self._confidence[kind].labels(confidence=str(upper), **self.label).set(n)
 
     def finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self.label).inc()

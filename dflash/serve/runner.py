@@ -187,5 +187,4 @@ class EngineThread:
     def _publish_load(self) -> None:
         self.metrics.set_load(self.engine.num_running, self.engine.num_waiting,
                               self.engine.allocator.num_free)
-        stats = self.engine.stats
-        self.metrics.set_trees(stats.tree_steps, stats.tree_nodes, stats.tree_depths)
+        self.metrics.set_trees(self.engine.stats)
