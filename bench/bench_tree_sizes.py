@@ -32,7 +32,7 @@ class FixedSizes:
     def tree_size(self):
         return self.nodes
 
-    def choose_nodes(self, candidates, sequences, depth):
+    def choose_nodes(self, candidates, drafting, sequences, depth):
         return [min(self.nodes, len(t) - 1) for t in candidates]
 
     def observe(self, *args):

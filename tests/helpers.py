@@ -224,7 +224,7 @@ class RandomVerifySchedule:
     def tree_size(self):
         return tree.MAX_NODES
 
-    def choose_nodes(self, candidates, sequences, depth):
+    def choose_nodes(self, candidates, drafting, sequences, depth):
         counts = [self.rng.choice([0, 1, 2, 5, 15, len(t) - 1]) for t in candidates]
         self.trees.append([min(c, len(t) - 1) for c, t in zip(counts, candidates)])
         return self.trees[-1]

@@ -124,15 +124,43 @@ def test_the_planner_offers_twice_the_nodes_it_took_lately():
     planner = Planner(B - 1, steep)
     assert planner.tree_size() == tree.MAX_NODES
     for _ in range(tree.MAX_NODES):
-        assert planner.choose_nodes([star(planner.tree_size(), 0.5)], 1, 1) == [0]
+        assert planner.choose_nodes([star(planner.tree_size(), 0.5)], requests(1), 1, 1) == [0]
     assert planner.tree_size() == TREE_MARGIN
     planner.cost_model = flat
-    assert planner.choose_nodes([star(planner.tree_size(), 0.9)], 1, 1) == [TREE_MARGIN]
+    assert planner.choose_nodes([star(planner.tree_size(), 0.9)], requests(1), 1, 1) == \
+        [TREE_MARGIN]
     assert planner.tree_size() == 3 * TREE_MARGIN
 
 
 def requests(n):
-    return [type("R", (), {"request_id": i})() for i in range(n)]
+    """Planner-side stand-ins of n greedy requests."""
+    return [SimpleNamespace(request_id=i, params=SamplingParams()) for i in range(n)]
+
+
+def test_greedy_and_sampled_requests_calibrate_apart():
+    """At the same draft confidence a sampled request's target token matches the draft's less
+    often than a greedy one's: the chooser learns each kind's acceptance from its own trees and
+    sizes the two requests' trees apart. With both kinds accepting alike (the negative control),
+    it sizes them alike."""
+    rows = CostModel({1: 1.0, 64: 2.26}, {1: 0.1}, B, {1: 1.0}, {1: 0.1})   # 0.02 s a row
+    star = tree.Tree([0] * 9, [-1] + [0] * 8, [0] + [1] * 8, [1.0] + [0.45] * 8)
+    greedy, sampled = requests(1), [SimpleNamespace(request_id=1,
+                                                    params=SamplingParams(temperature=0.7))]
+
+    seconds = float(rows.decode(2) + rows.extra(2, 18) + rows.draft(2, 1))   # as priced
+
+    def trained(sampled_accepts: bool) -> list[int]:
+        planner = Planner(B - 1, rows, trees=True)
+        # greedy: one of the 8 children accepted every step; sampled: every 8th step
+        for step in range(300):
+            hit = [0, 1] if sampled_accepts or step % 8 == 0 else [0]
+            planner.observe_trees(greedy + sampled, [star, star], [[0, 1], hit], [1, 1], seconds)
+        return planner.choose_nodes([star, star], greedy + sampled, 2, 1)
+
+    apart = trained(sampled_accepts=False)
+    assert apart[0] > apart[1]
+    alike = trained(sampled_accepts=True)
+    assert alike[0] == alike[1]
 
 
 def test_the_tree_planner_prices_the_draft_pass_a_tree_step_runs():
@@ -280,7 +308,9 @@ def test_the_planner_grows_trees_where_rows_are_free_and_chain_keeps_chains(mode
     m = llm.metrics()
     assert m["speculation"] == "adaptive" and m["tree_steps"] > 0
     assert max(m["tree_node_histogram"]) == tree.MAX_NODES
-    assert m["tree_calibration"]["acceptance"] != tree.Calibration().as_dict()["acceptance"]
+    assert m["tree_calibration"]["greedy"]["acceptance"] != \
+        tree.Calibration().as_dict()["acceptance"]
+    assert m["tree_calibration"]["sampled"] == tree.Calibration().as_dict()   # none sampled
     chain = LLM(*models, dtype="float32", max_num_seqs=2, speculation="chain")
     chain.engine.planner = Planner(B - 1, flat)
     outs = chain.generate(PROMPTS[:4], params)
@@ -303,7 +333,7 @@ class FullTrees(RandomVerifySchedule):
     def tree_size(self):
         return 32
 
-    def choose_nodes(self, candidates, sequences, depth):
+    def choose_nodes(self, candidates, drafting, sequences, depth):
         return [len(t) - 1 for t in candidates]
 
 

@@ -213,7 +213,8 @@ class LLMEngine:
             depths = tree.depth_limits(ks, self.block_size - 1)
             return list(zip(*self.worker.tree_step(
                 rs, depths, self.planner.tree_size(),
-                lambda candidates: self.planner.choose_nodes(candidates, len(rs), max(depths)))))
+                lambda candidates, drafting: self.planner.choose_nodes(
+                    candidates, drafting, len(rs), max(depths)))))
 
         ok, ks, results = self._call(run, running, num_drafts)
         if ok:
@@ -314,8 +315,9 @@ class LLMEngine:
             "dtype": dtype_name(self.dtype),
             "speculation": "none" if self.block_size == 1 else
             "adaptive" if self.trees else "chain" if self.planner is not None else "fixed",
-            "tree_calibration": None if getattr(self.planner, "calibration", None) is None
-            else self.planner.calibration.as_dict(),
+            # per kind of request (greedy, sampled): the chooser's estimates
+            "tree_calibration": None if getattr(self.planner, "calibrations", None) is None
+            else {kind: c.as_dict() for kind, c in self.planner.calibrations.items()},
             "cost_model": None if self.cost_model is None else self.cost_model.to_json(),
             # the planner's fit of measured step time to the cost model's decode and
             # speculation parts (tests may plan with a stand-in that has none)

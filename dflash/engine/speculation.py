@@ -34,6 +34,12 @@ TIME_RIDGE = 0.01       # pull of the calibration (a = b = 1), relative to each 
 TIME_OUTLIER = 4.0      # a step is counted as at most this many times its prediction (or 1/x)
 TIME_LIMITS = (0.1, 100.0)   # how far the fit may move a and b from the calibration
 TREE_MARGIN = 8         # candidate nodes built beyond twice the most a sequence took lately
+KINDS = ("greedy", "sampled")   # requests whose tree nodes are calibrated apart
+
+
+def kind_of(request) -> str:
+    """The calibration a request's tree nodes go by (KINDS)."""
+    return "greedy" if request.params.is_greedy else "sampled"
 
 
 class Acceptance:
@@ -172,7 +178,9 @@ class Planner:
         self._off_steps = 0
         self._probe = 0
         self.time = TimeCorrection()
-        self.calibration = tree.Calibration()
+        # the draft's confidence calibrated apart for greedy and for sampled requests: a sampled
+        # target token matches the draft's less often at the same confidence (design.md 4.6)
+        self.calibrations = {kind: tree.Calibration() for kind in KINDS}
         self._largest = tree.MAX_NODES   # the most nodes a sequence took lately (tree_size)
 
     def plan(self, requests) -> list[int]:
@@ -211,16 +219,17 @@ class Planner:
         lately did; one that takes every candidate doubles the next offer)."""
         return min(tree.MAX_NODES, 2 * self._largest + TREE_MARGIN)
 
-    def choose_nodes(self, candidates: list[tree.Tree], sequences: int, depth: int
+    def choose_nodes(self, candidates: list[tree.Tree], drafting, sequences: int, depth: int
                      ) -> list[int]:
-        """Tree sizes for the drafting sequences of a step over `sequences` sequences, from
-        their candidate trees (nodes in best-first order: draft path probabilities and depths,
-        calibrated) and the corrected cost of verify rows (`tree.choose_nodes`), the draft pass
-        (of `depth` positions) included."""
+        """Tree sizes for the drafting requests `drafting` of a step over `sequences`
+        sequences, from their candidate trees (nodes in best-first order: draft path
+        probabilities and depths, calibrated for the request's kind) and the corrected cost of
+        verify rows (`tree.choose_nodes`), the draft pass (of `depth` positions) included."""
         decode, _, draft = self.cost_model.step_tables(sequences, self.k_max)
         a, b = self.time.a, self.time.b
         counts = tree.choose_nodes(
-            [self.calibration(t.scores[1:], t.depths[1:]) for t in candidates],
+            [self.calibrations[kind_of(r)](t.scores[1:], t.depths[1:])
+             for t, r in zip(candidates, drafting)],
             lambda rows: a * decode + b * (self.cost_model.extra(sequences, rows) +
                                            draft[len(candidates), depth]),
             sequences)
@@ -229,12 +238,16 @@ class Planner:
 
     def observe_trees(self, requests, trees, paths, reach: list[int], seconds: float) -> None:
         """Learn from a tree step whose draft pass reached reach[i] positions for sequence i
-        (0: it did not draft): the calibration from every verified node, the per-position
-        acceptance as for a chain as deep as the tree, the time correction from its rows and
-        its draft pass (priced as `plan` and `choose_nodes` price it)."""
-        scores, depths, accepted = tree.verified_nodes(trees, paths)
-        if scores:
-            self.calibration.observe(scores, depths, accepted)
+        (0: it did not draft): the calibration of each request's kind from every verified
+        node, the per-position acceptance as for a chain as deep as the tree, the time
+        correction from its rows and its draft pass (priced as `plan` and `choose_nodes` price
+        it)."""
+        for kind, calibration in self.calibrations.items():
+            mine = [i for i, r in enumerate(requests) if kind_of(r) == kind]
+            scores, depths, accepted = tree.verified_nodes([trees[i] for i in mine],
+                                                           [paths[i] for i in mine])
+            if scores:
+                calibration.observe(scores, depths, accepted)
         self.observe(requests, [max(t.depths) for t in trees], [len(p) - 1 for p in paths])
         n, drafting = len(trees), sum(d > 0 for d in reach)
         decode, _, draft = self.cost_model.step_tables(n, self.k_max)

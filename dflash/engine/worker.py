@@ -348,10 +348,10 @@ class Worker:
                    ) -> list[Tree]:
         """Each request's tree: the root (its pending token) alone (depth 0), or the best-first
         tree over one draft pass's top candidates at the first `depth` block positions, of the
-        size `choose(candidates)` gives (candidates: per drafting request, the tree of its
-        first `size` candidate nodes in best-first order). The draft's block reaches at least as
-        deep as the deepest tree may (`block_inputs`), and only those positions go through the
-        draft's lm_head and top-k."""
+        size `choose(candidates, drafting)` gives (candidates: per drafting request, the tree
+        of its first `size` candidate nodes in best-first order; drafting: those requests).
+        The draft's block reaches at least as deep as the deepest tree may (`block_inputs`),
+        and only those positions go through the draft's lm_head and top-k."""
         trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
         chosen = [i for i, d in enumerate(depths) if d > 0]
         if not chosen:
@@ -371,7 +371,7 @@ class Worker:
         room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in reqs]
         full = [best_first(trees[i].tokens[0], ids[j][:depths[i]], probs[j][:depths[i]],
                            min(size, room[j])) for j, i in enumerate(chosen)]
-        for i, tree, count in zip(chosen, full, choose(full)):
+        for i, tree, count in zip(chosen, full, choose(full, reqs)):
             trees[i] = tree.prefix(count + 1)
         return trees
 
