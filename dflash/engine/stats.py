@@ -99,7 +99,7 @@ class Stats:
             "tree_accepted_depth_histogram": dict(sorted(self.tree_depths.items())),
             # verified draft nodes by draft path probability (bins up to bin_upper), and how
             # many of them were accepted
-            "tree_confidence": {"bin_upper": tree.BIN_UPPERS,
+            "tree_confidence": {"bin_upper": list(tree.BIN_UPPERS),
                                 "verified": list(self.confidence_verified),
                                 "accepted": list(self.confidence_accepted)},
         }

@@ -182,7 +182,7 @@ class Calibration:
     def as_dict(self) -> dict[str, list]:
         """acceptance[d - 1][i]: the estimate at depth d for scores in bin i."""
         rows, bins = np.meshgrid(np.arange(DEPTHS), np.arange(BINS), indexing="ij")
-        return {"bin_upper": BIN_UPPERS,
+        return {"bin_upper": list(BIN_UPPERS),
                 "acceptance": np.round(self._estimate(rows, bins), 4).tolist()}
 
 
