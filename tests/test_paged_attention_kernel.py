@@ -183,10 +183,13 @@ def test_low_precision_output_is_rounded_once(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128)])
-def test_verification_rows_equal_decode_bit_for_bit(dtype, hq, hkv, d):
+@pytest.mark.parametrize("ctx", [100, 250, 600])
+def test_verification_rows_equal_decode_bit_for_bit(dtype, hq, hkv, d, ctx):
     """Row i of a causal 16-token verification is exactly the 1-token decode of token i once
-    tokens 0..i-1 are cached: what makes DFlash output equal target-only output in bf16 too."""
-    ctx, n, bs = 100, 16, 16
+    tokens 0..i-1 are cached: what makes DFlash output equal target-only output in bf16 too.
+    Contexts of 250 and 600 put the rows' keys in several key chunks of a split item, the
+    verification's last rows past a chunk boundary that its first rows do not reach."""
+    n, bs = 16, 16
     args = paged_attention_inputs(context_lens=(ctx + n,), query_lens=(n,), hq=hq, hkv=hkv, d=d,
                                   block_size=bs, extra_blocks=0, causal=True, dtype=dtype)
     args["context_lens"] = torch.tensor([ctx], dtype=torch.int32)
@@ -202,6 +205,25 @@ def test_verification_rows_equal_decode_bit_for_bit(dtype, hq, hkv, d):
                            "context_lens": torch.tensor([ctx + i], dtype=torch.int32),
                            "cu_query_lens": torch.tensor([0, 1], dtype=torch.int32)})
         assert torch.equal(decode[0], verify[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rows_do_not_depend_on_the_thread_count(dtype):
+    """Long contexts go in key chunks, merged by the last chunk to finish: one thread and two
+    compute every row the same way, bit for bit (chunks follow key indices, not threads)."""
+    args = paged_attention_inputs(context_lens=(600, 1000, 40), query_lens=(1, 16, 7), hq=9,
+                                  hkv=3, d=64, block_size=16, causal=True, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(**args)
+        torch.set_num_threads(2)
+        two = kernel(**args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    tol = 2e-2 if dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(two, reference.paged_attention(**args), atol=tol, rtol=tol)
 
 
 # --------------------------------------------------------------------- layouts and edge cases

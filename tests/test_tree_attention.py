@@ -91,13 +91,15 @@ def test_the_cpu_kernel_matches_the_reference(case, dtype, hq, hkv, d, block_siz
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("context, size", [(0, 24), (45, 24), (60, 24), (100, 70)])
+@pytest.mark.parametrize("context, size", [(0, 24), (45, 24), (60, 24), (100, 70), (240, 24),
+                                           (500, 40)])
 def test_tree_rows_equal_their_causal_path_bit_for_bit_in_the_kernel(dtype, context, size):
     """What keeps a tree step's output equal to target-only decoding: a node's row is computed
     as the same node at the end of a causal chain of its path (whose rows equal one-token
     decoding), with its keys in the same tiles and lanes: bit for bit, in float32 too. The
     kernel reads the context's whole key tiles once for many rows (70 rows: more than one work
-    item) and the rest row by row."""
+    item) and the rest row by row; contexts of 240 and 500 cut the keys into chunks (a split
+    item), a path crossing a chunk boundary at 240."""
     args, parents = tree_case((context,), (size,), ("random",), dtype, 9, 3, 64, 16, seed=5)
     tree = kernel(**args, tree_mask=tree_mask(parents))
     for i in range(size):
@@ -118,11 +120,12 @@ def test_chains_in_a_tree_call_equal_the_same_rows_without_a_mask_bit_for_bit(dt
     """The kernel sends a sequence whose tree is a chain (its mask rows the causal mask) down the
     causal path, one pass over the keys for all its rows: they must equal the rows of the same
     call without a mask, bit for bit, whatever trees share the call (a bushy tree beside chains
-    of 1, 16 and 45 rows, the last more than one work item, over contexts on both sides of a
-    key tile). The bushy tree's rows, which see fewer keys, must differ from the causal ones."""
-    shapes = ("chain", "bushy", "chain", "chain")
-    args, parents = tree_case((31, 40, 7, 100), (16, 12, 1, 45), shapes, dtype, 9, 3, 64, 16,
-                              seed=7)
+    of 1, 16, 45 and 20 rows, the 45 more than one work item, over contexts on both sides of a
+    key tile and, the last, across a key chunk). The bushy tree's rows, which see fewer keys,
+    must differ from the causal ones."""
+    shapes = ("chain", "bushy", "chain", "chain", "chain")
+    args, parents = tree_case((31, 40, 7, 100, 250), (16, 12, 1, 45, 20), shapes, dtype, 9, 3,
+                              64, 16, seed=7)
     tree, causal = kernel(**args, tree_mask=tree_mask(parents)), kernel(**args)
     cu = args["cu_query_lens"].tolist()
     for b, shape in enumerate(shapes):

@@ -1,9 +1,10 @@
 // CPU kernel for dflash::paged_attention (docs/design.md 3.2): flash-style attention of each sequence's new
 // tokens over its paged context plus the new tokens, causal or not, from one code path.
 //
-// Work item = (sequence, kv head, tile of query rows). All query heads of the kv head's GQA group
-// are processed together as the rows of one [m = rows * group, D] float32 matrix, so every K/V row
-// is read (and converted to float32) once per item. Keys stream through in tiles of kKeyTile,
+// Work item = (sequence, kv head, tile of query rows), its keys cut into chunks of kKeyChunk when
+// there are more (Split: a sequence alone keeps every thread busy). All query heads of the kv
+// head's GQA group are processed together as the rows of one [m = rows * group, D] float32
+// matrix, so every K/V row is read (and converted to float32) once per item. Keys stream through in tiles of kKeyTile,
 // and each block of rows of that matrix goes through
 //   scores S = Q K^T (register-blocked micro-kernel over a transposed float32 K tile; for bf16
 //     inputs on a CPU with AVX512-BF16, over a tile of bf16 dim pairs, see score_pairs),
@@ -25,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <string>
 #include <limits>
 #include <type_traits>
@@ -66,6 +68,10 @@ constexpr int64_t kMatrixKeys = 256;
 // Multiply-adds of QK^T (context x query rows x head_dim) below which a call runs on the calling
 // thread (one kv head of a decode step over ~100 cached tokens).
 constexpr int64_t kMinAttentionWork = 1 << 16;
+// Keys per chunk of a split item (Split): a multiple of kKeyTile, so chunks keep the tiles an
+// unsplit item would have.
+constexpr int64_t kKeyChunk = 256;
+static_assert(kKeyChunk % kKeyTile == 0);
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kRescale = 8.f;  // see softmax_row
 constexpr int kAllLanes = (1 << kV) - 1;
@@ -219,8 +225,27 @@ struct Args {
   bool pair_dots;  // Q.K through VDPBF16PS (bf16 inputs, even head_dim; score_pairs)
 };
 
+struct Split;
+
 struct Item {
   int64_t seq, head, row_begin, row_end, cost;
+  // The keys the item covers, [key_begin, key_end) clipped to the ones its rows can see. An item
+  // of a split (below) covers one chunk of them and leaves its accumulators in the split's parts.
+  int64_t key_begin = 0, key_end = std::numeric_limits<int64_t>::max();
+  Split* split = nullptr;
+  int64_t part = 0;  // which chunk of its split
+};
+
+// The rows of a (sequence, kv head, tile of query rows) whose keys are cut into chunks of
+// kKeyChunk, one item each, so that a call with fewer items than threads (one sequence: as many
+// items as kv heads) keeps every thread busy. Each chunk's online softmax runs on its own; the
+// item that finishes last merges the chunks' accumulators in chunk order. Chunks start at fixed key
+// indices whatever the call's shape, so a row is computed the same way whatever rows, sequences
+// or threads share the call (a verification's rows still equal one-token decodes bit for bit).
+struct Split {
+  Item whole;
+  std::vector<float> parts;  // per chunk: o [m, dp], row_ref [m], row_sum [m, kV]
+  std::atomic<int64_t> left;
 };
 
 // Whether transpose_keys goes through converted key rows (k) rather than registers.
@@ -565,26 +590,75 @@ void attend(const Args<T>& a, const Item& it, const ItemView<T>& v, Scratch& w, 
   }
 }
 
+// Floats a split keeps per chunk for m rows: o, row_ref and row_sum (Scratch).
+int64_t part_floats(int64_t m, int64_t dp) {
+  return m * (dp + 1 + kV);
+}
+
+// Chunk part of a split: w's accumulators for its m rows are saved, or restored.
+void save_part(const Scratch& w, Split& s, int64_t part, int64_t m, int64_t dp) {
+  float* p = s.parts.data() + part * part_floats(m, dp);
+  p = std::copy_n(w.o.data(), m * dp, p);
+  p = std::copy_n(w.row_ref.data(), m, p);
+  std::copy_n(w.row_sum.data(), m * kV, p);
+}
+
+// The chunks' accumulators as one online softmax over all their keys would leave them (up to
+// rounding): each chunk's O and partial sums rescaled from its reference point to the largest
+// one and added in chunk order. A chunk a row sees none of (reference -inf) adds nothing.
+void merge_parts(Scratch& w, const Split& s, int64_t chunks, int64_t m, int64_t dp) {
+  reset_rows(w, m, dp);
+  for (int64_t r = 0; r < m; ++r) {
+    float ref = kNegInf;
+    for (int64_t c = 0; c < chunks; ++c)
+      ref = std::max(ref, s.parts[c * part_floats(m, dp) + m * dp + r]);
+    w.row_ref[r] = ref;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = s.parts.data() + c * part_floats(m, dp);
+      const float part_ref = p[m * dp + r];
+      if (part_ref == kNegInf) continue;
+      const Vec alpha(std::exp(part_ref - ref));
+      float* o = w.o.data() + r * dp;
+      for (int64_t j = 0; j < dp; j += kV)
+        at::vec::fmadd(Vec::loadu(p + r * dp + j), alpha, Vec::loadu(o + j)).store(o + j);
+      float* sum = w.row_sum.data() + r * kV;
+      at::vec::fmadd(Vec::loadu(p + m * dp + m + r * kV), alpha, Vec::loadu(sum)).store(sum);
+    }
+  }
+}
+
+// The item's keys [key_begin, key_end) (within those its rows see) through its rows, then its
+// output rows, or for a chunk of a split its accumulators (the last chunk to finish writes the
+// split's output).
 template <typename T>
 void run_item(const Args<T>& a, const Item& it, Scratch& w) {
   const int64_t g = a.group;
   ItemView<T> v(a, it);
   load_queries(a, it, v, w);
   reset_rows(w, v.m, a.padded_dim);
+  const int64_t begin = it.key_begin, end = std::min(it.key_end, v.total(a, it));
   if (!v.tree) {
-    attend(a, it, v, w, 0, v.total(a, it), 0, v.m);
+    attend(a, it, v, w, begin, end, 0, v.m);
   } else {
     // The rows of a tree share their context: its whole key tiles go through every row at once.
     // The rest (the context's last part tile and the row's path) goes through each row alone,
     // with the tile boundaries a causal chain of its path would have.
     const int64_t shared = v.ctx / kKeyTile * kKeyTile;
-    attend(a, it, v, w, 0, shared, 0, v.m);
+    if (begin < shared) attend(a, it, v, w, begin, std::min(shared, end), 0, v.m);
     for (int64_t i = 0; i < v.rows; ++i) {
       v.trace_path(a, it.row_begin + i);
-      attend(a, it, v, w, shared, v.ctx + static_cast<int64_t>(v.path.size()), i * g, (i + 1) * g);
+      const int64_t from = std::max(shared, begin);
+      const int64_t to = std::min(end, v.ctx + static_cast<int64_t>(v.path.size()));
+      if (from < to) attend(a, it, v, w, from, to, i * g, (i + 1) * g);
     }
   }
-  store_rows(a, it, v, w);
+  if (it.split == nullptr) return store_rows(a, it, v, w);
+  Split& s = *it.split;
+  const int64_t chunks = static_cast<int64_t>(s.parts.size()) / part_floats(v.m, a.padded_dim);
+  save_part(w, s, it.part, v.m, a.padded_dim);
+  if (s.left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  merge_parts(w, s, chunks, v.m, a.padded_dim);
+  store_rows(a, s.whole, v, w);
 }
 
 // hi = T(s), lo = T(s - hi) for n values (n a multiple of 2 * kV).
@@ -718,11 +792,34 @@ void run(const Args<T>& a, int64_t batch) {
     }
   }
   if (items.empty()) return;
+  // Vector-path items over more than kKeyChunk keys go in chunks (Split), whatever the thread
+  // count, so that a row's result does not depend on it either (one thread pays a few percent for
+  // the merges). A split's address is what its chunks hold, so splits live in a deque, which
+  // never moves them.
+  const bool matrix = matrix_engine_available<T>() && a.head_dim % 2 == 0;
+  std::deque<Split> splits;
+  for (size_t i = 0, whole = items.size(); i < whole; ++i) {
+    const Item it = items[i];
+    const int64_t total = ItemView<T>(a, it).total(a, it);
+    if (total <= kKeyChunk || (matrix && uses_matrix_engine(a, it))) continue;
+    const int64_t chunks = (total + kKeyChunk - 1) / kKeyChunk;
+    Split& s = splits.emplace_back();
+    s.whole = it;
+    s.parts.resize(chunks * part_floats((it.row_end - it.row_begin) * a.group, a.padded_dim));
+    s.left.store(chunks, std::memory_order_relaxed);
+    for (int64_t c = 0; c < chunks; ++c) {
+      Item& chunk = c == 0 ? items[i] : items.emplace_back(it);
+      chunk.key_begin = c * kKeyChunk;
+      chunk.key_end = std::min(total, (c + 1) * kKeyChunk);
+      chunk.cost = (it.row_end - it.row_begin) * (chunk.key_end - chunk.key_begin);
+      chunk.split = &s;
+      chunk.part = c;
+    }
+  }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
   // A decode step over a short context is a few microseconds of work: waking a pool thread for it
   // costs more (tens of microseconds in a VM), so small calls run on the calling thread.
-  const bool matrix = matrix_engine_available<T>() && a.head_dim % 2 == 0;
   int64_t work = 0, max_rows = 0;
   bool any_matrix = false;
   for (const Item& it : items) {
