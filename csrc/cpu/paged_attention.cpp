@@ -4,8 +4,8 @@
 // Work item = (sequence, kv head, tile of query rows), its keys cut into chunks of kKeyChunk when
 // there are more (Split: a sequence alone keeps every thread busy). All query heads of the kv
 // head's GQA group are processed together as the rows of one [m = rows * group, D] float32
-// matrix, so every K/V row is read (and converted to float32) once per item. Keys stream through in tiles of kKeyTile,
-// and each block of rows of that matrix goes through
+// matrix, so every K/V row is read (and converted to float32) once per item. Keys stream through
+// in tiles of kKeyTile, and each block of rows of that matrix goes through
 //   scores S = Q K^T (register-blocked micro-kernel over a transposed float32 K tile; for bf16
 //     inputs on a CPU with AVX512-BF16, over a tile of bf16 dim pairs, see score_pairs),
 //   online softmax in float32 (a per-row reference point and partial sums, see softmax_row),
@@ -239,9 +239,10 @@ struct Item {
 // The rows of a (sequence, kv head, tile of query rows) whose keys are cut into chunks of
 // kKeyChunk, one item each, so that a call with fewer items than threads (one sequence: as many
 // items as kv heads) keeps every thread busy. Each chunk's online softmax runs on its own; the
-// item that finishes last merges the chunks' accumulators in chunk order. Chunks start at fixed key
-// indices whatever the call's shape, so a row is computed the same way whatever rows, sequences
-// or threads share the call (a verification's rows still equal one-token decodes bit for bit).
+// item that finishes last merges the chunks' accumulators in chunk order. Chunks start at fixed
+// key indices whatever the call's shape, so a row is computed the same way whatever rows,
+// sequences or threads share the call (a verification's rows still equal one-token decodes bit
+// for bit).
 struct Split {
   Item whole;
   std::vector<float> parts;  // per chunk: o [m, dp], row_ref [m], row_sum [m, kV]
@@ -595,7 +596,7 @@ int64_t part_floats(int64_t m, int64_t dp) {
   return m * (dp + 1 + kV);
 }
 
-// Chunk part of a split: w's accumulators for its m rows are saved, or restored.
+// Chunk `part` of a split: w's accumulators for its m rows, saved into the split's parts.
 void save_part(const Scratch& w, Split& s, int64_t part, int64_t m, int64_t dp) {
   float* p = s.parts.data() + part * part_floats(m, dp);
   p = std::copy_n(w.o.data(), m * dp, p);
