@@ -32,8 +32,8 @@ class FixedSizes:
     def tree_size(self):
         return self.nodes
 
-    def choose_nodes(self, candidates, drafting, sequences, depth):
-        return [min(self.nodes, len(t) - 1) for t in candidates]
+    def choose_nodes(self, candidates, requests, drafting, depth):
+        return [t.prefix(min(self.nodes, len(t) - 1) + 1) for t in candidates]
 
     def observe(self, *args):
         pass

@@ -207,6 +207,7 @@ def _mode_summary(run: tuple, baseline: tuple, temperature: float, engine: dict)
         "accepted_per_position": m["accepted_per_position"],
         "accepted_length_histogram": accepted_length_histogram(m),
         "tree_confidence": m["tree_confidence"],
+        "tree_lookup_nodes": m["tree_lookup_nodes"],
     }
 
 

@@ -224,10 +224,10 @@ class RandomVerifySchedule:
     def tree_size(self):
         return tree.MAX_NODES
 
-    def choose_nodes(self, candidates, drafting, sequences, depth):
+    def choose_nodes(self, candidates, requests, drafting, depth):
         counts = [self.rng.choice([0, 1, 2, 5, 15, len(t) - 1]) for t in candidates]
         self.trees.append([min(c, len(t) - 1) for c, t in zip(counts, candidates)])
-        return self.trees[-1]
+        return [t.prefix(c + 1) for c, t in zip(self.trees[-1], candidates)]
 
     def observe_trees(self, *args):
         pass

@@ -58,10 +58,11 @@ def test_bench_writes_rows_json_and_plot(tiny_bench):
             assert sum(m["accepted_length_histogram"]) == m["num_drafts"]
             # a request-step that verifies k > 0 drafts (or tree nodes) counts as one draft
             assert sum(n for k, n in m["verified_histogram"].items() if k) == m["num_drafts"]
-        # tree nodes by the draft's confidence: every node the adaptive engine verified (the
-        # engine's counts: test_tree_engine.py)
+        # tree nodes by the draft's confidence, and those only the prompt lookup proposed:
+        # every node the adaptive engine verified (the engine's counts: test_tree_engine.py)
         adaptive = r["modes"]["adaptive"]
-        assert sum(adaptive["tree_confidence"]["verified"]) == \
+        assert sum(adaptive["tree_confidence"]["verified"]) + \
+            adaptive["tree_lookup_nodes"]["verified"] == \
             sum(k * n for k, n in adaptive["verified_histogram"].items())
         fixed = r["modes"]["fixed"]["verify_length_histogram"]
         assert fixed[:-1] == [0, 0, 0] and fixed[-1] > 0   # block 4: always 3 drafts

@@ -329,7 +329,8 @@ def test_load_64_requests_from_16_streaming_clients(server, offline):
 def test_tree_steps_are_in_the_metrics(pair, offline):
     """Where verify rows cost nothing the engine verifies trees; /metrics shows how many nodes
     its request-steps verified and how deep they accepted, how many draft nodes it verified and
-    accepted by the draft's confidence in them, and the text is the target's own."""
+    accepted by the draft's confidence in them, how many nodes only the prompt lookup proposed,
+    and the text is the target's own."""
     llm = serving_engine(*pair, dtype="float32", max_num_seqs=2, speculation="adaptive")
     flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
     llm.planner = Planner(B - 1, flat)
@@ -353,7 +354,11 @@ def test_tree_steps_are_in_the_metrics(pair, offline):
         scraped = [_metric(samples, f"dflash:spec_decode_tree_{kind}_nodes", confidence=str(u))
                    for u in confidence["bin_upper"]]
         assert scraped == confidence[kind]
-    assert sum(confidence["verified"]) == sum(k * n for k, n in stats.tree_nodes.items()) > 0
+    lookup = stats.summary()["tree_lookup_nodes"]
+    for kind in ("verified", "accepted"):
+        assert _metric(samples, "dflash:spec_decode_tree_lookup_nodes", kind=kind) == lookup[kind]
+    assert sum(confidence["verified"]) + lookup["verified"] == \
+        sum(k * n for k, n in stats.tree_nodes.items()) > 0
 
 
 # --------------------------------------------------------------------------------- faults

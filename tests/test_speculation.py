@@ -265,7 +265,8 @@ def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, mo
     first = LLM(target, draft, dtype="float32", max_num_seqs=2).cost_model
     files = list(tmp_path.glob("*.json"))
     assert len(calls) == 1 and len(files) == 1
-    assert sorted(first.target_s) == [1, 2, 4, 8, 16] and sorted(first.draft_s) == [1, 2]
+    # every row count of a block (8), then its multiples
+    assert sorted(first.target_s) == [*range(1, 9), 16] and sorted(first.draft_s) == [1, 2]
     assert sorted(first.decode_s) == sorted(first.draft_one_s) == [1, 2]
     assert LLM(target, draft, dtype="float32", max_num_seqs=2).cost_model == first
     assert len(calls) == 1                                    # reused
@@ -343,7 +344,7 @@ def test_calibration_times_a_preempted_point_again(monkeypatch):
 
     allocator = BlockAllocator(64, 16)
     model = cost_model.calibrate(Worker(), allocator, 2, 8, 512)
-    assert calls == [([1, 2, 4, 8, 16], [1, 2]), ([4], [])]
+    assert calls == [([*range(1, 9), 16], [1, 2]), ([4], [])]
     assert model.target_s[4] == pytest.approx(1.5) and allocator.num_free == 64
 
 

@@ -124,12 +124,18 @@ def test_the_planner_offers_twice_the_nodes_it_took_lately():
     planner = Planner(B - 1, steep)
     assert planner.tree_size() == tree.MAX_NODES
     for _ in range(tree.MAX_NODES):
-        assert planner.choose_nodes([star(planner.tree_size(), 0.5)], requests(1), 1, 1) == [0]
+        assert sizes(planner.choose_nodes([star(planner.tree_size(), 0.5)], requests(1), 1, 1)) \
+            == [0]
     assert planner.tree_size() == TREE_MARGIN
     planner.cost_model = flat
-    assert planner.choose_nodes([star(planner.tree_size(), 0.9)], requests(1), 1, 1) == \
+    assert sizes(planner.choose_nodes([star(planner.tree_size(), 0.9)], requests(1), 1, 1)) == \
         [TREE_MARGIN]
     assert planner.tree_size() == 3 * TREE_MARGIN
+
+
+def sizes(trees):
+    """Draft nodes of each tree."""
+    return [len(t) - 1 for t in trees]
 
 
 def requests(n):
@@ -155,7 +161,7 @@ def test_greedy_and_sampled_requests_calibrate_apart():
         for step in range(300):
             hit = [0, 1] if sampled_accepts or step % 8 == 0 else [0]
             planner.observe_trees(greedy + sampled, [star, star], [[0, 1], hit], [1, 1], seconds)
-        return planner.choose_nodes([star, star], greedy + sampled, 2, 1)
+        return sizes(planner.choose_nodes([star, star], greedy + sampled, 2, 1))
 
     apart = trained(sampled_accepts=False)
     assert apart[0] > apart[1]
@@ -258,16 +264,19 @@ def test_tree_steps_count_nodes_by_the_draft_confidence_in_them():
 
 def test_the_confidence_counts_add_up_to_the_nodes_verified_and_accepted(models):
     """llm.metrics()'s confidence bins hold every verified draft node once and every accepted
-    one once: their totals equal those of the node and accepted-depth histograms."""
+    one once, and its lookup counts every other node (those only the prompt lookup proposed):
+    together their totals equal those of the node and accepted-depth histograms."""
     llm = LLM(*models, dtype="float32", max_num_seqs=3, speculation="adaptive")
     llm.engine.planner = RandomVerifySchedule(3, k_max=B - 1)
     llm.generate(PROMPTS, [SamplingParams(max_tokens=12)] * len(PROMPTS))
     m = llm.metrics()
-    c = m["tree_confidence"]
-    assert sum(c["verified"]) == sum(k * n for k, n in m["tree_node_histogram"].items()) > 0
-    assert sum(c["accepted"]) == \
+    c, lookup = m["tree_confidence"], m["tree_lookup_nodes"]
+    assert sum(c["verified"]) + lookup["verified"] == \
+        sum(k * n for k, n in m["tree_node_histogram"].items()) > 0
+    assert sum(c["accepted"]) + lookup["accepted"] == \
         sum(d * n for d, n in m["tree_accepted_depth_histogram"].items()) > 0
     assert all(a <= v for a, v in zip(c["accepted"], c["verified"]))
+    assert lookup["accepted"] <= lookup["verified"]
 
 
 def test_the_cache_after_tree_steps_equals_one_token_decoding(models):
@@ -333,8 +342,8 @@ class FullTrees(RandomVerifySchedule):
     def tree_size(self):
         return 32
 
-    def choose_nodes(self, candidates, drafting, sequences, depth):
-        return [len(t) - 1 for t in candidates]
+    def choose_nodes(self, candidates, requests, drafting, depth):
+        return candidates
 
 
 def _bushy_trees(llm):

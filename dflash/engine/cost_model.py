@@ -44,7 +44,7 @@ MAX_MEASURED_ROWS = 256  # beyond this the verify cost is extrapolated (it is co
 REPEATS = 5
 SUSPECT = 1.25           # a point this much slower than a larger one is timed again ...
 RETRIES = 2              # ... at most this many times (the fastest time is kept)
-FORMAT = 8               # of the cache files: files of another format are not read
+FORMAT = 9               # of the cache files: files of another format are not read
 
 
 @dataclass
@@ -174,11 +174,13 @@ def fastest_each(fns: dict, repeats: int) -> dict:
     return best
 
 
-def powers_of_two_to(limit: int) -> list[int]:
-    """1, 2, 4, ... below `limit`, then `limit` itself."""
-    grid, x = [], 1
+def powers_of_two_to(limit: int, every_below: int = 1) -> list[int]:
+    """1, 2, 3, ... up to `every_below`, then powers of two, below `limit`; then `limit`."""
+    grid = list(range(1, min(every_below, limit - 1) + 1))
+    x = 1
     while x < limit:
-        grid.append(x)
+        if x > every_below:
+            grid.append(x)
         x *= 2
     return grid + [limit]
 
@@ -199,7 +201,10 @@ def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_l
             tables.append(table)
         if not tables:
             raise ValueError("the cache cannot hold one sequence to calibrate with")
-        rows = powers_of_two_to(min(len(tables) * block_size, MAX_MEASURED_ROWS))
+        # every row count of one block: a kernel's cost steps where a row tile fills (on
+        # AVX-512, from 6 to 7 rows the pass costs as much as from 1 to 6), and a lone
+        # sequence's tree is priced there row by row
+        rows = powers_of_two_to(min(len(tables) * block_size, MAX_MEASURED_ROWS), block_size)
         seqs = powers_of_two_to(len(tables))
         measured = worker.measure_costs(tables, context, rows, seqs, REPEATS)
         for _ in range(RETRIES):   # a preempted point would mislead every step's choice

@@ -97,7 +97,8 @@ class TPWorker(Worker):
         if kind == "prefill":
             self.prefill(requests)
         elif kind == "tree_step":   # the sizes are rank 0's (grow_trees)
-            self.tree_step(requests, payload[1], payload[2], lambda trees, _: [0] * len(trees))
+            self.tree_step(requests, payload[1], payload[2],
+                           lambda trees, _: [t.prefix(1) for t in trees])
         else:
             self.step(requests, num_drafts=payload[1])
 

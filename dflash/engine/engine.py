@@ -185,8 +185,7 @@ class LLMEngine:
         running = list(self.running)
         touched += running
         num_drafts = self._plan(running)
-        if self.trees and self.planner is not None and any(num_drafts) and \
-                self.worker.can_tree(running):
+        if self.trees and self.planner is not None and self.worker.can_tree(running):
             self._tree_step(running, num_drafts)
         else:
             self._chain_step(running, num_drafts)
@@ -206,15 +205,16 @@ class LLMEngine:
         self._commit_each(ok, [tokens for tokens, _ in results])
 
     def _tree_step(self, running: list[Request], num_drafts: list[int]) -> None:
-        """Sequences the planner lets draft verify trees sized by `Planner.choose_nodes`."""
+        """Every sequence verifies a tree chosen by `Planner.choose_nodes`: of the draft's
+        candidates where the planner lets it draft, and of the prompt lookup's."""
         step_start = time.perf_counter()
 
         def run(rs: list[Request], ks: list[int]):
             depths = tree.depth_limits(ks, self.block_size - 1)
             return list(zip(*self.worker.tree_step(
                 rs, depths, self.planner.tree_size(),
-                lambda candidates, drafting: self.planner.choose_nodes(
-                    candidates, drafting, len(rs), max(depths)))))
+                lambda candidates, requests: self.planner.choose_nodes(
+                    candidates, requests, sum(d > 0 for d in depths), max(depths)))))
 
         ok, ks, results = self._call(run, running, num_drafts)
         if ok:

@@ -181,6 +181,8 @@ class Planner:
         # the draft's confidence calibrated apart for greedy and for sampled requests: a sampled
         # target token matches the draft's less often at the same confidence (design.md 4.6)
         self.calibrations = {kind: tree.Calibration() for kind in KINDS}
+        # and the lookup's priors (design.md 4.6), likewise
+        self.lookups = {kind: tree.Calibration() for kind in KINDS}
         self._largest = tree.MAX_NODES   # the most nodes a sequence took lately (tree_size)
 
     def plan(self, requests) -> list[int]:
@@ -219,22 +221,36 @@ class Planner:
         lately did; one that takes every candidate doubles the next offer)."""
         return min(tree.MAX_NODES, 2 * self._largest + TREE_MARGIN)
 
-    def choose_nodes(self, candidates: list[tree.Tree], drafting, sequences: int, depth: int
-                     ) -> list[int]:
-        """Tree sizes for the drafting requests `drafting` of a step over `sequences`
-        sequences, from their candidate trees (nodes in best-first order: draft path
-        probabilities and depths, calibrated for the request's kind) and the corrected cost of
-        verify rows (`tree.choose_nodes`), the draft pass (of `depth` positions) included."""
+    def choose_nodes(self, candidates: list[tree.Tree], requests, drafting: int, depth: int
+                     ) -> list[tree.Tree]:
+        """The trees `requests` verify in a step whose draft pass ran for `drafting` of them
+        over `depth` positions: of their candidate trees, the nodes of highest expected
+        acceptance (the draft's path probability, or the lookup's prior, calibrated for the
+        request's kind and the node's depth; the larger where both propose a node), as many as
+        pay under the corrected cost of verify rows and of the draft pass
+        (`tree.choose_nodes`)."""
+        sequences = len(requests)
         decode, _, draft = self.cost_model.step_tables(sequences, self.k_max)
         a, b = self.time.a, self.time.b
+        ranked = [tree.by_gain(t, self._gains(t, kind_of(r)))
+                  for t, r in zip(candidates, requests)]
         counts = tree.choose_nodes(
-            [self.calibrations[kind_of(r)](t.scores[1:], t.depths[1:])
-             for t, r in zip(candidates, drafting)],
+            [gains for _, gains in ranked],
             lambda rows: a * decode + b * (self.cost_model.extra(sequences, rows) +
-                                           draft[len(candidates), depth]),
+                                           draft[drafting, depth]),
             sequences)
         self._largest = max(max(counts, default=0), self._largest - 1)
-        return counts
+        return [t.prefix(count + 1) for (t, _), count in zip(ranked, counts)]
+
+    def _gains(self, candidate: tree.Tree, kind: str) -> np.ndarray:
+        depths = candidate.depths[1:]
+        scores = np.asarray(candidate.scores[1:], dtype=np.float64)
+        gains = np.where(scores > 0.0, self.calibrations[kind](scores, depths), 0.0)
+        priors = np.asarray(candidate.lookup_priors()[1:], dtype=np.float64)
+        if priors.any():
+            gains = np.where(priors > 0.0,
+                             np.maximum(gains, self.lookups[kind](priors, depths)), gains)
+        return gains
 
     def observe_trees(self, requests, trees, paths, reach: list[int], seconds: float) -> None:
         """Learn from a tree step whose draft pass reached reach[i] positions for sequence i
@@ -242,13 +258,17 @@ class Planner:
         node, the per-position acceptance as for a chain as deep as the tree, the time
         correction from its rows and its draft pass (priced as `plan` and `choose_nodes` price
         it)."""
-        for kind, calibration in self.calibrations.items():
+        for kind in KINDS:
             mine = [i for i, r in enumerate(requests) if kind_of(r) == kind]
-            scores, depths, accepted = tree.verified_nodes([trees[i] for i in mine],
-                                                           [paths[i] for i in mine])
-            if scores:
-                calibration.observe(scores, depths, accepted)
-        self.observe(requests, [max(t.depths) for t in trees], [len(p) - 1 for p in paths])
+            for calibration, lookup in ((self.calibrations[kind], False),
+                                        (self.lookups[kind], True)):
+                scores, depths, accepted = tree.verified_nodes(
+                    [trees[i] for i in mine], [paths[i] for i in mine], lookup)
+                if scores:
+                    calibration.observe(scores, depths, accepted)
+        # the per-position acceptance is the draft's: sequences that did not draft relax
+        self.observe(requests, [max(t.depths) if d else 0 for t, d in zip(trees, reach)],
+                     [len(p) - 1 for p in paths])
         n, drafting = len(trees), sum(d > 0 for d in reach)
         decode, _, draft = self.cost_model.step_tables(n, self.k_max)
         rows = sum(len(t) for t in trees)   # a tree may hold more rows than extra's table

@@ -27,6 +27,8 @@ class Stats:
         # of them on the accepted path: how well the draft's confidence predicts acceptance
         self.confidence_verified = [0] * tree.BINS
         self.confidence_accepted = [0] * tree.BINS
+        # nodes of tree steps only the prompt lookup proposed, and those accepted
+        self.lookup_verified = self.lookup_accepted = 0
 
     def add(self, m: RequestMetrics) -> None:
         """Count a finished request."""
@@ -73,6 +75,9 @@ class Stats:
         for b, hit in zip(tree.confidence_bins(scores).tolist(), accepted):
             self.confidence_verified[b] += 1
             self.confidence_accepted[b] += hit
+        _, _, accepted = tree.verified_nodes(trees, paths, lookup=True)
+        self.lookup_verified += len(accepted)
+        self.lookup_accepted += sum(accepted)
 
     def summary(self) -> dict:
         b = self.block_size
@@ -102,4 +107,7 @@ class Stats:
             "tree_confidence": {"bin_upper": list(tree.BIN_UPPERS),
                                 "verified": list(self.confidence_verified),
                                 "accepted": list(self.confidence_accepted)},
+            # verified nodes only the prompt lookup proposed, and how many were accepted
+            "tree_lookup_nodes": {"verified": self.lookup_verified,
+                                  "accepted": self.lookup_accepted},
         }

@@ -7,15 +7,18 @@ of every node are the same ranked tokens of the next position, so best-first exp
 nodes in non-increasing score and any prefix of that order is a tree (prefix-closed). With one
 token per position the tree is today's chain.
 
+A tree may also hold a branch the prompt lookup proposes (`graft`, `dflash.engine.lookup`).
+
 How many nodes each sequence verifies is chosen after the draft pass, from the draft's own
-scores calibrated online against acceptance (`Calibration`) and the measured cost of verify rows
-(`choose_nodes`): draft-side information only, so greedy output stays the target's own.
+scores and the lookup's priors, calibrated online against acceptance (`Calibration`), and the
+measured cost of verify rows (`choose_nodes`): information from the draft and the committed
+tokens only, so greedy output stays the target's own.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,7 +37,10 @@ class Tree:
     tokens: list[int]     # node 0: the pending token; nodes 1..: drafts
     parents: list[int]    # parents[0] = -1; parents[i] < i
     depths: list[int]     # depths[0] = 0
-    scores: list[float]   # draft path probability of each node (root 1.0)
+    scores: list[float]   # draft path probability of each node (root 1.0; 0.0: not a draft
+    #                       candidate, a node only the lookup proposed)
+    # the lookup's prior acceptance of each node it proposed (0.0 for the others); empty: none
+    lookup: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,7 +48,10 @@ class Tree:
     def prefix(self, size: int) -> Tree:
         """The first `size` nodes (root included): a tree, since parents come first."""
         return Tree(self.tokens[:size], self.parents[:size], self.depths[:size],
-                    self.scores[:size])
+                    self.scores[:size], self.lookup[:size])
+
+    def lookup_priors(self) -> list[float]:
+        return self.lookup or [0.0] * len(self)
 
 
 def best_first(root: int, ids: list[list[int]], probs: list[list[float]], size: int) -> Tree:
@@ -68,6 +77,51 @@ def best_first(root: int, ids: list[list[int]], probs: list[list[float]], size: 
             base = tree.scores[parent]
             heapq.heappush(frontier, (-base * probs[d][r + 1], parent, d, r + 1))
     return tree
+
+
+def graft(tree: Tree, tokens: list[int], priors: list[float], size: int) -> Tree:
+    """`tree` with the lookup's path `tokens` (priors: each one's prior acceptance) under its
+    root: a token its node already has as a child follows that child (which takes the prior),
+    another one becomes a new node (draft score 0.0), up to `size` nodes besides the root."""
+    out = Tree(list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores),
+               tree.lookup_priors())
+    children = {(p, t): i for i, (p, t) in enumerate(zip(out.parents, out.tokens)) if i}
+    node = 0
+    for token, prior in zip(tokens, priors):
+        child = children.get((node, token))
+        if child is None:
+            if len(out) > size:
+                break
+            child = len(out)
+            out.tokens.append(token)
+            out.parents.append(node)
+            out.depths.append(out.depths[node] + 1)
+            out.scores.append(0.0)
+            out.lookup.append(0.0)
+        out.lookup[child] = prior
+        node = child
+    return out
+
+
+def by_gain(tree: Tree, gains) -> tuple[Tree, np.ndarray]:
+    """The tree's nodes reordered by non-increasing expected acceptance, and those gains (roots
+    left out). A node is accepted only if its parent is, so each gain is first capped by its
+    parent's; the order, stable over node indices (parents first), then keeps parents first
+    and each prefix is a tree."""
+    capped = np.asarray(gains, dtype=np.float64).copy()
+    for node in range(1, len(tree)):
+        parent = tree.parents[node]
+        if parent > 0:
+            capped[node - 1] = min(capped[node - 1], capped[parent - 1])
+    order = np.argsort(-capped, kind="stable") + 1
+    index = np.empty(len(tree), dtype=np.int64)
+    index[0], index[order] = 0, np.arange(1, len(tree))
+    nodes = [0, *order.tolist()]
+    priors = tree.lookup_priors()
+    return Tree([tree.tokens[n] for n in nodes],
+                [-1, *(int(index[tree.parents[n]]) for n in nodes[1:])],
+                [tree.depths[n] for n in nodes], [tree.scores[n] for n in nodes],
+                [priors[n] for n in nodes]), capped[order - 1]
 
 
 def depth_limits(num_drafts: list[int], positions: int) -> list[int]:
@@ -117,16 +171,20 @@ def walk_sampled(tree: Tree, totals: list[float], masses: list[float],
             return path, refused
 
 
-def verified_nodes(trees: list[Tree], paths: list[list[int]]
+def verified_nodes(trees: list[Tree], paths: list[list[int]], lookup: bool = False
                    ) -> tuple[list[float], list[int], list[bool]]:
-    """Every draft node of verified trees (roots left out): its draft path probability, its
-    depth, and whether it lies on its tree's accepted path."""
+    """Every draft node of verified trees (or, with `lookup`, every node only the lookup
+    proposed: where the draft proposed a node too, it is accepted more often than the lookup's
+    own nodes are): its draft path probability (or the lookup's prior), its depth, and whether
+    it lies on its tree's accepted path."""
     scores, depths, accepted = [], [], []
     for t, path in zip(trees, paths):
         on_path = set(path)
-        scores += t.scores[1:]
-        depths += t.depths[1:]
-        accepted += [n in on_path for n in range(1, len(t))]
+        for node, score in enumerate(t.lookup_priors() if lookup else t.scores):
+            if node and score > 0.0 and not (lookup and t.scores[node] > 0.0):
+                scores.append(score)
+                depths.append(t.depths[node])
+                accepted.append(node in on_path)
     return scores, depths, accepted
 
 

@@ -30,10 +30,11 @@ from .. import ops, sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
 from ..models.layers import build_metadata, inference_weight
 from ..sampling import noise
+from . import lookup
 from .cost_model import fastest_each
 from .request import Request
 from .step import decode_step, draft_logits, greedy_drafts
-from .tree import Tree, accept_greedy, best_first, reject, walk_sampled
+from .tree import MAX_NODES, Tree, accept_greedy, best_first, graft, reject, walk_sampled
 
 
 @dataclass
@@ -321,7 +322,9 @@ class Worker:
         trees = self.grow_trees(requests, depths, size, choose)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
                               [len(t) for t in trees], self.kv_block_size, self.device,
-                              self.num_kv_blocks, parents=[t.parents for t in trees])
+                              self.num_kv_blocks,
+                              parents=None if all(len(t) == 1 for t in trees) else
+                              [t.parents for t in trees])
         tokens = torch.tensor([tok for t in trees for tok in t.tokens], device=self.device)
         hidden, features = self.target(tokens, meta, self.target_cache, self.capture)
         emitted, paths = self.accept_trees(requests, trees, self.target.logits(hidden))
@@ -346,34 +349,37 @@ class Worker:
     @torch.inference_mode()
     def grow_trees(self, requests: list[Request], depths: list[int], size: int, choose
                    ) -> list[Tree]:
-        """Each request's tree: the root (its pending token) alone (depth 0), or the best-first
-        tree over one draft pass's top candidates at the first `depth` block positions, of the
-        size `choose(candidates, drafting)` gives (candidates: per drafting request, the tree
-        of its first `size` candidate nodes in best-first order; drafting: those requests).
-        The draft's block reaches at least as deep as the deepest tree may (`block_inputs`),
-        and only those positions go through the draft's lm_head and top-k."""
-        trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
-        chosen = [i for i, d in enumerate(depths) if d > 0]
-        if not chosen:
-            return trees
-        reqs = [requests[i] for i in chosen]
-        self._flush_context(reqs)
-        inputs = self.block_inputs(reqs, max(depths[i] for i in chosen))
-        logits = draft_logits(self.target, self.draft, self.draft_head,
-                              inputs.tokens.view(len(reqs), inputs.block_size), inputs.meta,
-                              self.draft_cache, inputs.num_drafts)
-        probs, ids = ops.top_k(logits, min(TREE_TOP_K, logits.shape[-1]), probs=True)
-        if self.draft_vocab is not None:
-            ids = self.draft_vocab[ids]
-        probs, ids = probs.tolist(), ids.tolist()   # one host sync: the trees are host lists
+        """Each request's tree, as `choose(candidates, requests)` keeps it of its candidates:
+        the root (its pending token), for a request of depth > 0 under the best-first tree of
+        `size` nodes over one draft pass's top candidates at its first `depth` block positions,
+        and for every request with the prompt lookup's branch grafted on, up to the block's
+        positions deep. The draft's block reaches at least as deep as the deepest tree may
+        (`block_inputs`), and only those positions go through the draft's lm_head and top-k."""
         # a tree's rows take the slots after the sequence's cached tokens: as many as its
         # reservation has left (at least a block's, section 4.6)
-        room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in reqs]
-        full = [best_first(trees[i].tokens[0], ids[j][:depths[i]], probs[j][:depths[i]],
-                           min(size, room[j])) for j, i in enumerate(chosen)]
-        for i, tree, count in zip(chosen, full, choose(full, reqs)):
-            trees[i] = tree.prefix(count + 1)
-        return trees
+        room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in requests]
+        trees = [Tree([r.output_ids[-1]], [-1], [0], [1.0]) for r in requests]
+        chosen = [i for i, d in enumerate(depths) if d > 0]
+        if chosen:
+            reqs = [requests[i] for i in chosen]
+            self._flush_context(reqs)
+            inputs = self.block_inputs(reqs, max(depths[i] for i in chosen))
+            logits = draft_logits(self.target, self.draft, self.draft_head,
+                                  inputs.tokens.view(len(reqs), inputs.block_size), inputs.meta,
+                                  self.draft_cache, inputs.num_drafts)
+            probs, ids = ops.top_k(logits, min(TREE_TOP_K, logits.shape[-1]), probs=True)
+            if self.draft_vocab is not None:
+                ids = self.draft_vocab[ids]
+            probs, ids = probs.tolist(), ids.tolist()   # one host sync: the trees are host lists
+            for j, i in enumerate(chosen):
+                trees[i] = best_first(trees[i].tokens[0], ids[j][:depths[i]],
+                                      probs[j][:depths[i]], min(size, room[i]))
+        candidates = [graft(t, *lookup.propose(r.tokens, self.block_size - 1),
+                            min(room[i], MAX_NODES))
+                      for i, (t, r) in enumerate(zip(trees, requests))]
+        if all(len(t) == 1 for t in candidates):
+            return candidates
+        return choose(candidates, requests)
 
     def accept_trees(self, requests: list[Request], trees: list[Tree], logits: torch.Tensor
                      ) -> tuple[list[list[int]], list[list[int]]]:
@@ -427,7 +433,8 @@ class Worker:
         deepest = [max(t.depths) for t in trees]
         coins = noise.uniform([r.seed for r, d in zip(requests, deepest) for _ in range(d + 1)],
                               [o + d for o, top in zip(offsets, deepest) for d in range(top + 1)],
-                              noise.TREE_COINS, 1, TREE_TOP_K, logits.device)[:, 0].tolist()
+                              noise.TREE_COINS, 1, TREE_TOP_K + 1,   # + the lookup's child
+                              logits.device)[:, 0].tolist()
         walks, coin = [], 0
         for j, t in enumerate(trees):
             walks.append(walk_sampled(t, totals[first[j]:first[j + 1]],

@@ -82,6 +82,9 @@ class ServerMetrics:
         self._tree_depths = Gauge("dflash:spec_decode_tree_accepted_depth",
                                   "Request-steps of tree steps, by accepted path length.",
                                   ["model_name", "depth"], registry=r)
+        self._lookup = Gauge("dflash:spec_decode_tree_lookup_nodes",
+                             "Nodes of tree steps only the prompt lookup proposed, verified and "
+                             "on the accepted path.", ["model_name", "kind"], registry=r)
         self._confidence = {
             kind: Gauge(f"dflash:spec_decode_tree_{kind}_nodes",
                         f"Draft nodes of tree steps {doc}, by the draft's path probability (the "
@@ -97,6 +100,8 @@ class ServerMetrics:
             self._tree_nodes.labels(nodes=str(k), **self.label).set(n)
         for k, n in stats.tree_depths.items():
             self._tree_depths.labels(depth=str(k), **self.label).set(n)
+        self._lookup.labels(kind="verified", **self.label).set(stats.lookup_verified)
+        self._lookup.labels(kind="accepted", **self.label).set(stats.lookup_accepted)
         for kind, counts in (("verified", stats.confidence_verified),
                              ("accepted", stats.confidence_accepted)):
             for upper, n in zip(tree.BIN_UPPERS, counts):

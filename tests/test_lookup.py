@@ -1,0 +1,108 @@
+"""The prompt lookup (dflash/engine/lookup.py) and its branch in draft trees (docs/design.md 4.6):
+proposals against a brute-force search, grafting and ordering by gain, and greedy output equal to
+target-only decoding with the lookup's nodes verified."""
+
+import random
+
+import numpy as np
+import pytest
+
+from dflash import LLM, SamplingParams
+from dflash.engine import lookup, tree
+from dflash.engine.cost_model import CostModel, powers_of_two_to
+from dflash.engine.speculation import Planner
+
+from helpers import make_tiny_pair
+
+B = 8
+
+
+def brute_force(tokens, length):
+    """The latest start j < len(tokens) after the longest n <= MAX_MATCH with tokens[j-n:j] equal
+    to the last n tokens, by trying every start."""
+    best, at = 0, None
+    for j in range(1, len(tokens)):
+        n = 0
+        while n < min(lookup.MAX_MATCH, j) and tokens[j - 1 - n] == tokens[-1 - n]:
+            n += 1
+        if n and n >= best:
+            best, at = n, j
+    return [] if at is None else tokens[at:at + length]
+
+
+def test_the_lookup_copies_what_followed_the_longest_latest_match():
+    tokens = [1, 2, 3, 9, 8, 3, 7, 1, 2, 3]
+    proposal, priors = lookup.propose(tokens, 4)
+    assert proposal == [9, 8, 3, 7]                # after the earlier "1 2 3", not after "3"
+    assert priors == [lookup.FIRST_TOKEN_PRIOR[2] ** d for d in (1, 2, 3, 4)]
+    assert lookup.propose([5, 6, 5, 7, 5], 3)[0] == [7, 5]   # the latest of equal matches
+    assert lookup.propose([1, 2, 3, 4], 3) == ([], [])       # nothing repeats
+    assert lookup.propose([4], 3) == ([], []) and lookup.propose([4, 4], 0) == ([], [])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_lookup_equals_a_brute_force_search(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(4) for _ in range(rng.randrange(2, 60))]
+    proposal, priors = lookup.propose(tokens, 5)
+    assert proposal == brute_force(tokens, 5)
+    assert len(priors) == len(proposal) and priors == sorted(priors, reverse=True)
+
+
+def paths(t):
+    def path(n):
+        return () if n == 0 else path(t.parents[n]) + (t.tokens[n],)
+    return [path(n) for n in range(len(t))]
+
+
+def test_a_graft_follows_the_tree_where_it_can_and_branches_where_it_must():
+    base = tree.best_first(0, [[5, 6], [7, 8]], [[0.6, 0.3], [0.5, 0.4]], 4)
+    grafted = tree.graft(base, [5, 8, 9], [0.8, 0.6, 0.4], 10)
+    assert grafted.tokens[:len(base)] == base.tokens and len(grafted) == len(base) + 1
+    new = len(base)
+    assert paths(grafted)[new] == (5, 8, 9) and grafted.scores[new] == 0.0
+    on_path = [paths(grafted).index(p) for p in [(5,), (5, 8), (5, 8, 9)]]
+    assert [grafted.lookup[n] for n in on_path] == [0.8, 0.6, 0.4]
+    assert sum(p > 0 for p in grafted.lookup) == 3
+    assert len(tree.graft(base, [6, 1, 2, 3], [0.5] * 4, len(base) - 1)) == len(base)  # full
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ordering_by_gain_keeps_a_tree_whose_prefixes_are_trees(seed):
+    rng = random.Random(seed)
+    ids = [rng.sample(range(20), 3) for _ in range(4)]
+    probs = [sorted((rng.random() for _ in range(3)), reverse=True) for _ in range(4)]
+    t = tree.graft(tree.best_first(1, ids, probs, 12), [rng.randrange(20) for _ in range(6)],
+                   [0.9 ** d for d in range(1, 7)], 40)
+    gains = [rng.random() for _ in range(len(t) - 1)]
+    ordered, sorted_gains = tree.by_gain(t, gains)
+    assert sorted(paths(ordered)) == sorted(paths(t))   # the same nodes
+    assert all(0 <= p < i for i, p in enumerate(ordered.parents) if i)
+    assert list(sorted_gains) == sorted(sorted_gains, reverse=True)
+    by_path = dict(zip(paths(ordered)[1:], sorted_gains))
+    for node in range(1, len(t)):                  # capped by every ancestor's gain
+        p = paths(t)[node]
+        assert by_path[p] <= min(g for q, g in zip(paths(t)[1:], gains) if p[:len(q)] == q)
+
+
+def test_the_cost_grid_measures_every_row_count_of_a_block():
+    assert powers_of_two_to(256, 16) == list(range(1, 17)) + [32, 64, 128, 256]
+    assert powers_of_two_to(12, 16) == list(range(1, 12)) + [12]
+    assert powers_of_two_to(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_lookup_nodes_are_verified_and_greedy_output_stays_the_target_s(tmp_path):
+    """The real planner where rows cost nothing: prompts that repeat themselves give the lookup
+    matches, its nodes are verified and some accepted, and the output is target-only's."""
+    models = make_tiny_pair(tmp_path, B)[:2]
+    prompts = [[(3 * i + j) % 7 + 1 for j in range(30)] for i in range(3)]
+    params = SamplingParams(max_tokens=60)
+    expected = [o.token_ids for o in LLM(models[0], dtype="float32").generate(prompts, params)]
+    llm = LLM(*models, dtype="float32", max_num_seqs=3, speculation="adaptive")
+    flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
+    llm.engine.planner = Planner(B - 1, flat)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    m = llm.metrics()["tree_lookup_nodes"]
+    assert m["verified"] > 0 and 0 < m["accepted"] <= m["verified"]
+    assert not np.array_equal(llm.engine.planner.lookups["greedy"].depth_offered, 0.0)
