@@ -3,8 +3,8 @@ proposals against a brute-force search, grafting and ordering by gain, and greed
 target-only decoding with the lookup's nodes verified."""
 
 import random
+from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from dflash import LLM, SamplingParams
@@ -91,18 +91,75 @@ def test_the_cost_grid_measures_every_row_count_of_a_block():
     assert powers_of_two_to(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
+class AllCandidates:
+    """A planner that drafts every step, offers 3 draft nodes a sequence and verifies every
+    candidate: each lookup branch the worker grafts is verified."""
+
+    def plan(self, requests):
+        return [B - 1] * len(requests)
+
+    def tree_size(self):
+        return 3
+
+    def choose_nodes(self, candidates, requests, drafting, depth):
+        return candidates
+
+    def observe(self, *args):
+        pass
+
+    observe_time = observe_trees = observe
+
+    def forget(self, request_id):
+        pass
+
+
 def test_lookup_nodes_are_verified_and_greedy_output_stays_the_target_s(tmp_path):
-    """The real planner where rows cost nothing: prompts that repeat themselves give the lookup
-    matches, its nodes are verified and some accepted, and the output is target-only's."""
+    """Prompts that repeat themselves give the lookup matches: its nodes are verified, some
+    accepted, and the output is target-only's, alone and in a batch."""
     models = make_tiny_pair(tmp_path, B)[:2]
     prompts = [[(3 * i + j) % 7 + 1 for j in range(30)] for i in range(3)]
     params = SamplingParams(max_tokens=60)
     expected = [o.token_ids for o in LLM(models[0], dtype="float32").generate(prompts, params)]
-    llm = LLM(*models, dtype="float32", max_num_seqs=3, speculation="adaptive")
-    flat = CostModel({1: 1e-3, 64: 1e-3}, {1: 1e-4, 8: 1e-4}, B, {1: 1e-3, 8: 1e-3})
-    llm.engine.planner = Planner(B - 1, flat)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == expected
-    m = llm.metrics()["tree_lookup_nodes"]
-    assert m["verified"] > 0 and 0 < m["accepted"] <= m["verified"]
-    assert not np.array_equal(llm.engine.planner.lookups["greedy"].depth_offered, 0.0)
+    for max_num_seqs in (1, 3):
+        llm = LLM(*models, dtype="float32", max_num_seqs=max_num_seqs, speculation="adaptive")
+        llm.engine.planner = AllCandidates()
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        m = llm.metrics()["tree_lookup_nodes"]
+        assert m["verified"] > 0 and 0 < m["accepted"] <= m["verified"]
+    # sampled requests walk trees with lookup children too, and a seeded one reproduces itself
+    sampled = SamplingParams(max_tokens=40, temperature=0.8, seed=3)
+    runs = []
+    for _ in range(2):
+        llm.reset_metrics()
+        runs.append([o.token_ids for o in llm.generate(prompts, sampled)])
+        assert llm.metrics()["tree_lookup_nodes"]["verified"] > 0
+    assert runs[0] == runs[1]
+
+
+def chain_and_branch():
+    """A root with a draft chain 1-2 (scores 0.3, 0.2) and a lookup-only branch 7-8 (priors
+    0.87, 0.76)."""
+    base = tree.best_first(0, [[1], [2]], [[0.3], [0.67]], 2)
+    return tree.graft(base, [7, 8], [0.87, 0.87 ** 2], 10)
+
+
+def test_the_planner_takes_lookup_nodes_as_far_as_they_are_accepted():
+    """The chooser calibrates the lookup's priors on the nodes only the lookup proposed: taught
+    that they are always accepted it verifies them before the draft's; taught that they never
+    are (the negative control), it drops them."""
+    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 5.0}, {1: 0.01}, B, {1: 1.0}, {1: 0.01})
+    request = [SimpleNamespace(request_id=0, params=SamplingParams())]
+    candidate = chain_and_branch()
+    lookup_nodes = [n for n in range(1, len(candidate)) if candidate.scores[n] == 0.0]
+
+    def trained(lookup_accepted: bool) -> list[tuple[int, ...]]:
+        planner = Planner(B - 1, cost, trees=True)
+        for _ in range(300):
+            path = [0, *lookup_nodes] if lookup_accepted else [0]
+            planner.observe_trees(request, [candidate], [path], [2], 1.0)
+        chosen = planner.choose_nodes([candidate], request, 1, 2)[0]
+        return paths(chosen)[1:]
+
+    assert trained(True)[:2] == [(7,), (7, 8)]
+    assert (7,) not in trained(False)

@@ -260,6 +260,9 @@ def test_tree_steps_count_nodes_by_the_draft_confidence_in_them():
     assert {i: n for i, n in enumerate(c["verified"]) if n} == {0: 1, 10: 1, 18: 1, 19: 1}
     assert {i: n for i, n in enumerate(c["accepted"]) if n} == {18: 1, 19: 1}
     assert stats.tree_nodes == {4: 1, 0: 1} and stats.tree_depths == {2: 1, 0: 1}
+    assert stats.summary()["draft_skipped_steps"] == 0
+    stats.record_tree_step(requests, [t2, t2], [[0], [0]])   # no sequence verified a node
+    assert stats.summary()["draft_skipped_steps"] == 1 and stats.summary()["tree_steps"] == 2
 
 
 def test_the_confidence_counts_add_up_to_the_nodes_verified_and_accepted(models):

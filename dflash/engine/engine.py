@@ -185,7 +185,8 @@ class LLMEngine:
         running = list(self.running)
         touched += running
         num_drafts = self._plan(running)
-        if self.trees and self.planner is not None and self.worker.can_tree(running):
+        if self.trees and self.planner is not None and any(num_drafts) and \
+                self.worker.can_tree(running):
             self._tree_step(running, num_drafts)
         else:
             self._chain_step(running, num_drafts)
@@ -205,8 +206,9 @@ class LLMEngine:
         self._commit_each(ok, [tokens for tokens, _ in results])
 
     def _tree_step(self, running: list[Request], num_drafts: list[int]) -> None:
-        """Every sequence verifies a tree chosen by `Planner.choose_nodes`: of the draft's
-        candidates where the planner lets it draft, and of the prompt lookup's."""
+        """In a step where the planner lets some sequences draft, every sequence verifies a
+        tree chosen by `Planner.choose_nodes`: of the draft's candidates where it drafts, and
+        of the prompt lookup's. A step where none drafts decodes without trees (design.md 4.6)."""
         step_start = time.perf_counter()
 
         def run(rs: list[Request], ks: list[int]):

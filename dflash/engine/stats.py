@@ -65,6 +65,7 @@ class Stats:
         paths[i] (node indices from the root)."""
         self.steps += 1
         self.tree_steps += 1
+        self.draft_skipped += all(len(t) == 1 for t in trees)
         for r, t, path in zip(running, trees, paths):
             k, a = len(t) - 1, len(path) - 1
             self.tree_nodes[k] = self.tree_nodes.get(k, 0) + 1
