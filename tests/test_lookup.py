@@ -9,7 +9,7 @@ import pytest
 
 from dflash import LLM, SamplingParams
 from dflash.engine import lookup, tree
-from dflash.engine.cost_model import CostModel, powers_of_two_to
+from dflash.engine.cost_model import CostModel
 from dflash.engine.speculation import Planner
 
 from helpers import make_tiny_pair
@@ -83,12 +83,6 @@ def test_ordering_by_gain_keeps_a_tree_whose_prefixes_are_trees(seed):
     for node in range(1, len(t)):                  # capped by every ancestor's gain
         p = paths(t)[node]
         assert by_path[p] <= min(g for q, g in zip(paths(t)[1:], gains) if p[:len(q)] == q)
-
-
-def test_the_cost_grid_measures_every_row_count_of_a_block():
-    assert powers_of_two_to(256, 16) == list(range(1, 17)) + [32, 64, 128, 256]
-    assert powers_of_two_to(12, 16) == list(range(1, 12)) + [12]
-    assert powers_of_two_to(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
 class AllCandidates:

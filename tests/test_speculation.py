@@ -331,6 +331,12 @@ def test_calibration_times_every_point_in_turn(monkeypatch):
     assert seconds == {"a": 3, "b": 2}
 
 
+def test_the_cost_grid_measures_every_row_count_of_a_block():
+    assert cost_model.timing_grid(256, 16) == list(range(1, 17)) + [32, 64, 128, 256]
+    assert cost_model.timing_grid(12, 16) == list(range(1, 12)) + [12]
+    assert cost_model.timing_grid(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
 def test_calibration_times_a_preempted_point_again(monkeypatch):
     calls = []
 

@@ -174,8 +174,9 @@ def fastest_each(fns: dict, repeats: int) -> dict:
     return best
 
 
-def powers_of_two_to(limit: int, every_below: int = 1) -> list[int]:
-    """1, 2, 3, ... up to `every_below`, then powers of two, below `limit`; then `limit`."""
+def timing_grid(limit: int, every_below: int = 1) -> list[int]:
+    """The counts timed up to `limit`: 1, 2, 3, ... up to `every_below`, then powers of two,
+    below `limit`; then `limit`."""
     grid = list(range(1, min(every_below, limit - 1) + 1))
     x = 1
     while x < limit:
@@ -201,11 +202,12 @@ def calibrate(worker, allocator, max_num_seqs: int, block_size: int, max_model_l
             tables.append(table)
         if not tables:
             raise ValueError("the cache cannot hold one sequence to calibrate with")
-        # every row count of one block: a kernel's cost steps where a row tile fills (on
-        # AVX-512, from 6 to 7 rows the pass costs as much as from 1 to 6), and a lone
-        # sequence's tree is priced there row by row
-        rows = powers_of_two_to(min(len(tables) * block_size, MAX_MEASURED_ROWS), block_size)
-        seqs = powers_of_two_to(len(tables))
+        # every row count of one block: a kernel's cost steps where a row tile fills (the
+        # bundled target in bf16 on a Zen 4 host: flat from 4 to 6 rows, then 1.4 ms more at 7,
+        # more than half of what 1 to 6 rows add), and a lone sequence's tree is priced there
+        # row by row
+        rows = timing_grid(min(len(tables) * block_size, MAX_MEASURED_ROWS), block_size)
+        seqs = timing_grid(len(tables))
         measured = worker.measure_costs(tables, context, rows, seqs, REPEATS)
         for _ in range(RETRIES):   # a preempted point would mislead every step's choice
             suspects = [_suspects(points) for points in measured]
