@@ -394,6 +394,27 @@ def test_packed_float32_weights_take_the_blocked_gemm_for_long_prefills(monkeypa
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("layout, gemm_dtype", [("to_panels", torch.float32),
+                                                 ("to_pair_panels", torch.bfloat16)])
+def test_bf16_panels_of_long_prefills_multiply_as_their_cpu_does_best(monkeypatch, layout,
+                                                                      gemm_dtype):
+    """Past PANEL_MAX_ROWS a bf16 weight in column panels (a CPU without bf16 units) goes through
+    torch's float32 GEMM, as panel_linear multiplies, not its bf16 one, which such a CPU emulates
+    several times slower; pair panels (a CPU with AVX512-BF16) keep the bf16 GEMM."""
+    from dflash.models import layers
+
+    g = torch.Generator().manual_seed(1)
+    weight, bias, x = (torch.randn(*shape, generator=g).bfloat16()
+                       for shape in ((32, 64), (32,), (9, 64)))
+    packed = getattr(layers.ops, layout)(weight)
+    monkeypatch.setattr(layers, "PANEL_MAX_ROWS", 8)
+    gemm, dtypes = F.linear, []
+    monkeypatch.setattr(F, "linear", lambda *a: dtypes.append(a[0].dtype) or gemm(*a))
+    out = linear(x, packed, bias)
+    assert dtypes == [gemm_dtype] and out.dtype == torch.bfloat16
+    assert torch.equal(out, gemm(x.float(), weight.float(), bias.float()).bfloat16())
+
+
 def test_packing_is_a_noop_where_no_faster_layout_exists():
     for weight in (torch.randn(8, 4), torch.randn(16, 4).half(), torch.randn(2, 8, 4).bfloat16(),
                    torch.randn(2, 16, 4)):

@@ -175,9 +175,23 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if is_panels(weight):
         if x.numel() > PANEL_MAX_ROWS * x.shape[-1]:
-            return torch.nn.functional.linear(x, ops.from_panels(weight), bias)
+            return _long_linear(x, weight, bias)
         return ops.panel_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def _long_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """`linear` of a panel weight over more than PANEL_MAX_ROWS rows (long prefills): torch's
+    blocked GEMM on the weight copied back to [N, K]. Pair panels, which only a CPU with bf16
+    units gets, multiply in bf16; column panels in float32, as panel_linear does, rounded once:
+    a bf16 weight in column panels means a CPU without bf16 units, whose bf16 GEMM emulates them
+    (on an AVX2 CPU about 6x as long as the float32 one for 2048 rows of the bundled target's
+    gate_up)."""
+    dense = ops.from_panels(weight)
+    if weight.dim() == 4:
+        return torch.nn.functional.linear(x, dense, bias)
+    return torch.nn.functional.linear(x.float(), dense.float(), None if bias is None else
+                                      bias.float()).to(x.dtype)
 
 
 def linear_parts(weight) -> tuple:
