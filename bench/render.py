@@ -46,6 +46,10 @@ END_TO_END = [
     ("bench_gsm8k-heldout-avx512_core", "GSM8K held-out, bf16 units hidden", "--recalibrate",
      "The same questions with oneDNN limited to AVX512_CORE: a CPU without bf16 dot-product or "
      "matrix units, seen on the same host (`host.bf16_gemm` then takes column panels)."),
+    ("bench_gsm8k-heldout-avx2", "GSM8K held-out, AVX2 host", "--recalibrate",
+     "The same questions on a CPU with AVX2 and no AVX-512, so the kernels' AVX2 build: bf16 "
+     "weights in column panels, widened to float32 as they load, and every product a float32 "
+     "FMA. A verify row costs a larger share of a decode step than with bf16 units."),
     ("bench_gsm8k-heldout-int4", "GSM8K held-out, 4-bit target", "",
      "The same questions with the target in its shipped GGUF Q4_1 weights (`--quantization "
      "int4`, `quant_linear`); DFlash against target-only decoding of the same weights."),
@@ -201,6 +205,9 @@ def bench_command(data: dict, extra: str) -> str:
     isa = data["host"].get("onednn_max_cpu_isa")
     if isa:
         parts.append(f"ONEDNN_MAX_CPU_ISA={isa}")
+    kernels = data["host"].get("capability")
+    if kernels and data["host"].get("avx512f") and not kernels.startswith("AVX512"):
+        parts.append(f"ATEN_CPU_CAPABILITY={kernels.lower()}")   # a lesser build on purpose
     parts += ["dflash bench", f"--dataset {first['dataset']}", f"--num-prompts {first['prompts']}",
               "--concurrency " + ",".join(str(r["concurrency"]) for r in rows),
               f"--rounds {first['rounds']}", f"--max-tokens {data['max_tokens']}"]

