@@ -164,15 +164,17 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         print(" | ".join(f"{k}={rows[-1][k]}" for k in COLUMNS if k in rows[-1]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    info = {**host.describe(), "capability": registry.CPU_CAPABILITY}
+    info = host.describe()
+    if registry.CPU_CAPABILITY:   # None: no CPU kernels were built
+        info["capability"] = registry.CPU_CAPABILITY
     # runs that differ in what the file cannot tell by its name get their own file: kernels of
     # another build than NAMELESS_KERNELS (an AVX2-only CPU) too
     isa = info.get("onednn_max_cpu_isa")
-    kernels = info["capability"] if info["capability"] != NAMELESS_KERNELS else ""
+    kernels = info.get("capability", NAMELESS_KERNELS)
     stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "") + \
         (f"-draft-{draft_quantization}" if draft_quantization else "") + \
         (f"-t{temperature:g}" if temperature else "") + (f"-{isa.lower()}" if isa else "") + \
-        (f"-{kernels.lower()}" if kernels else "")
+        (f"-{kernels.lower()}" if kernels != NAMELESS_KERNELS else "")
     (out / f"{stem}.json").write_text(json.dumps(
         {"host": info, "dtype": dtype, "quantization": quantization,
          "draft_quantization": draft_quantization, "temperature": temperature,
