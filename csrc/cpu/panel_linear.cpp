@@ -94,7 +94,7 @@ constexpr int kDotNP = 4, kDotMR = 6;
 #elif defined(CPU_CAPABILITY_AVX2)
 // up to 2 rows: 2 panels x 2 rows x 2 vectors (8 of the 16 registers), else 1 panel x 5 rows
 // (10, with the panel's 2 widened weight vectors and a row's broadcast: 13): 3-5 rows then cost
-// about what one costs, where 2-row blocks widened every weight again for each pair of rows
+// little more than one, where 2-row blocks widened every weight again for each pair of rows
 constexpr int kFewRows = 2;
 constexpr int kFewNP = 2, kFewMR = 2, kManyNP = 1, kManyMR = 5;
 #else
