@@ -154,10 +154,13 @@ def test_the_largest_integer_products_stay_exact(bits):
     """Weights at the ends of their range (8 bits: -128, which a GGUF Q8_0 block may hold, and
     127; 4 bits: code 15) against activations that quantize to +-127 with the weights' signs, so
     every pair of byte products sums to about +-2 * 128 * 127, the most an int16 holds (AVX2's
-    VPMADDUBSW saturates beyond it): the kernel equals the reference and the float64 product."""
+    VPMADDUBSW saturates beyond it), and 4-bit groups of one sign sum to +-8 * 2 * 15 * 127,
+    what the pairs path adds up in int16 lanes (5 rows: a block of 4 and one more): the kernel
+    equals the reference and the float64 product."""
     n, k = 32, 64
     sign = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
-    x = torch.stack([sign, -sign, torch.ones(k)]) * 127 / 64   # quantize exactly to +-127
+    ones = torch.ones(k)
+    x = torch.stack([sign, -sign, ones, -ones, ones]) * 127 / 64   # quantize exactly to +-127
     scale = torch.full((n, k // 32), 2.0 ** -5)
     if bits == 8:
         q = torch.where(sign < 0, -128, 127).expand(n, k).to(torch.int8)

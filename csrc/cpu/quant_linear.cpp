@@ -314,10 +314,10 @@ struct Pairs {
   static I signed_by(I x, I q) {
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x);
   }
-  static I quad_sums(I u, I s) {
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
-  }
+  static I pair_sums(I u, I s) { return _mm512_maddubs_epi16(u, s); }
+  static I widen_pairs(I a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I add_pairs(I a, I b) { return _mm512_add_epi16(a, b); }
   static fVec to_float(I a) { return fVec(_mm512_cvtepi32_ps(a)); }
 #else
   using I = __m256i;
@@ -330,10 +330,10 @@ struct Pairs {
   static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), bytes(0x0f)); }
   static I magnitude(I q) { return _mm256_abs_epi8(q); }
   static I signed_by(I x, I q) { return _mm256_sign_epi8(x, q); }
-  static I quad_sums(I u, I s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-  }
+  static I pair_sums(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+  static I widen_pairs(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I add_pairs(I a, I b) { return _mm256_add_epi16(a, b); }
   static fVec to_float(I a) { return fVec(_mm256_cvtepi32_ps(a)); }
 #endif
 };
@@ -345,7 +345,10 @@ static_assert(sizeof(Pairs::I) == sizeof(fVec), "an integer vector per float vec
 // 8 bits multiply |q| (at most 128) by x with q's sign moved onto it (|x| <= 127, as
 // quantize_group makes it): 2 * 128 * 127 fits. 4 bits multiply the codes (0..15) by x as they
 // are. A group's integer is then what the VNNI and float paths compute, and it enters the row's
-// sum the same way.
+// sum the same way. A 4-bit pair is at most 2 * 15 * 127 = 3810, so the 8 pairs a lane gathers
+// over a group (30480) fit its int16 lane: 4 bits add the pairs as they come and widen them to
+// int32 once per group, which saves a VPMADDWD and an add per quad, half of what a row costs
+// once several rows share each weight load.
 template <int Bits, int NP, int MR>
 void dot_groups_pairs(const Block& b) {
   using I = Pairs::I;
@@ -356,54 +359,65 @@ void dot_groups_pairs(const Block& b) {
   float* out = b.out;
   for (int64_t g = 0; g < groups; ++g) {
     const Group in = group_of<Bits>(b, g);
-    I acc[MR][NV];
+    I acc[MR][NV];  // int32 sums; 4 bits: int16 sums of pairs until the group ends
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NV; ++j) acc[r][j] = Pairs::zero();
-#pragma GCC unroll 8
+    // Not unrolled: GCC then computes a whole group's products before adding them, and spills
+    // them (4 bits, AVX2: 16 rows took 1.3x as long). 4 bits take one nibble of each byte at a
+    // time, so only the codes being multiplied occupy registers beside the sums.
+#pragma GCC unroll 1
     for (int64_t i = 0; i < kQuadsPerGroup / kQuadsPerVector; ++i) {
-      // 8 bits: q (signed) and |q|; 4 bits: the low and the high nibbles' codes
-      I wv[2][NV];
-      for (int j = 0; j < NV; ++j) {
-        const uint8_t* at = in.w + (j / kVecs) * panel_bytes + i * kPanel * kQuad;
-        if (j % kVecs == 0) prefetch_to_l2(at, NP * panel_bytes);  // the next tile (common.h)
-        const I v = Pairs::load(at + (j % kVecs) * kVecBytes);
-        if constexpr (Bits == 8) {
-          wv[0][j] = Pairs::flip(v, Pairs::bytes(static_cast<char>(0x80)));
-          wv[1][j] = Pairs::magnitude(wv[0][j]);
-        } else {
-          wv[0][j] = Pairs::both(v, Pairs::bytes(0x0f));
-          wv[1][j] = Pairs::high_nibbles(v);
+      for (int h = 0; h < kQuadsPerVector; ++h) {
+        // 8 bits: q (signed) and |q|; 4 bits: the low (h = 0) or the high nibbles' codes
+        I wv[2][NV];
+        for (int j = 0; j < NV; ++j) {
+          const uint8_t* at = in.w + (j / kVecs) * panel_bytes + i * kPanel * kQuad;
+          if (h == 0 && j % kVecs == 0) prefetch_to_l2(at, NP * panel_bytes);  // the next tile
+          const I v = Pairs::load(at + (j % kVecs) * kVecBytes);
+          if constexpr (Bits == 8) {
+            wv[0][j] = Pairs::flip(v, Pairs::bytes(static_cast<char>(0x80)));
+            wv[1][j] = Pairs::magnitude(wv[0][j]);
+          } else {
+            wv[0][j] = h == 0 ? Pairs::both(v, Pairs::bytes(0x0f)) : Pairs::high_nibbles(v);
+          }
         }
-      }
-      for (int r = 0; r < MR; ++r) {
-        for (int h = 0; h < kQuadsPerVector; ++h) {
+        for (int r = 0; r < MR; ++r) {
           int32_t quad_x;
           std::memcpy(&quad_x, in.x + r * k + (i * kQuadsPerVector + h) * kQuad, sizeof(quad_x));
           const I xv = Pairs::lanes(quad_x);
           for (int j = 0; j < NV; ++j) {
-            const I sums = Bits == 8 ? Pairs::quad_sums(wv[1][j], Pairs::signed_by(xv, wv[0][j]))
-                                     : Pairs::quad_sums(wv[h][j], xv);
-            acc[r][j] = Pairs::add(acc[r][j], sums);
+            if constexpr (Bits == 8) {
+              const I pairs = Pairs::pair_sums(wv[1][j], Pairs::signed_by(xv, wv[0][j]));
+              acc[r][j] = Pairs::add(acc[r][j], Pairs::widen_pairs(pairs));
+            } else {
+              acc[r][j] = Pairs::add_pairs(acc[r][j], Pairs::pair_sums(wv[0][j], xv));
+            }
           }
         }
+      }
+    }
+    // The scales once for all rows: stored through may_alias vectors, the outputs would
+    // otherwise make the compiler load them again for every row.
+    fVec scale[NV], low[NV];
+    for (int j = 0; j < NV; ++j) {
+      const int64_t at = (j / kVecs) * groups * kPanel + (j % kVecs) * fVec::size();
+      const bool first = j % kVecs == 0;  // of a panel's vectors
+      if (first) prefetch_to_l2(in.wscale + at, NP * groups * kPanel * sizeof(Scale));
+      scale[j] = load_scales(in.wscale + at);
+      if constexpr (Bits == 4) {
+        const Scale* mins = b.mins + g * kPanel + at;
+        if (first) prefetch_to_l2(mins, NP * groups * kPanel * sizeof(Scale));
+        low[j] = load_scales(mins);
       }
     }
     for (int r = 0; r < MR; ++r) {
       const fVec xs(in.xscale[r * groups]);
       const fVec xsum_scaled(in.xscale[r * groups] * static_cast<float>(in.xsum[r * groups]));
       for (int j = 0; j < NV; ++j) {
-        const int64_t at = (j / kVecs) * groups * kPanel + (j % kVecs) * fVec::size();
         float* o = out + r * ldo + j * fVec::size();
-        const Scale* scale = in.wscale + at;
-        const bool first = r == 0 && j % kVecs == 0;  // of the row's vectors of a panel
-        if (first) prefetch_to_l2(scale, NP * groups * kPanel * sizeof(*scale));
-        fVec sum =
-            at::vec::fmadd(Pairs::to_float(acc[r][j]), load_scales(scale) * xs, fVec::loadu(o));
-        if constexpr (Bits == 4) {
-          const Scale* low = b.mins + g * kPanel + at;
-          if (first) prefetch_to_l2(low, NP * groups * kPanel * sizeof(*low));
-          sum = at::vec::fmadd(load_scales(low), xsum_scaled, sum);
-        }
+        const I sums = Bits == 8 ? acc[r][j] : Pairs::widen_pairs(acc[r][j]);
+        fVec sum = at::vec::fmadd(Pairs::to_float(sums), scale[j] * xs, fVec::loadu(o));
+        if constexpr (Bits == 4) sum = at::vec::fmadd(low[j], xsum_scaled, sum);
         sum.store(o);
       }
     }
