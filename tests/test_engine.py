@@ -5,11 +5,16 @@ import pytest
 import torch
 
 from dflash import LLM, SamplingParams
+from dflash.engine.request import Request
+from dflash.engine.worker import prefill_passes
+from dflash.models.layers import PANEL_MAX_ROWS
 
 from helpers import (
     hf_greedy,
     make_small_vocabulary,
+    make_tiny_draft,
     make_tiny_pair,
+    make_tiny_target,
     second_token_pvalue,
 )
 
@@ -149,6 +154,43 @@ def test_seeded_sampling_is_independent_of_batch_and_concurrency(models, draft_s
     # tokens, except for the greedy request, which ignores its seed
     changed = [a != b for a, b in zip(run(8, PROMPTS, other_seeds), alone)]
     assert changed == [i != 5 for i in range(len(PROMPTS))]
+
+
+def test_a_prompt_prefills_alike_whatever_it_is_batched_with(tmp_path):
+    """Prompts that together pass PANEL_MAX_ROWS rows (past it a linear takes torch's blocked
+    GEMM, which sums a long dot product in another order than panel_linear) prefill each as it
+    prefills alone: the same target K/V and draft context bit for bit, so what a request decodes
+    cannot depend on the requests admitted with it."""
+    make_tiny_target(tmp_path / "target", intermediate_size=1536)
+    make_tiny_draft(tmp_path / "draft", tmp_path / "target", num_layers=1, block_size=B)
+    llm = LLM(tmp_path / "target", tmp_path / "draft", dtype="float32", max_num_seqs=3)
+    n = PANEL_MAX_ROWS // 3 + 60
+    prompts = [[(5 * j + 11 * i) % 90 + 1 for j in range(n)] for i in range(3)]
+
+    def prefilled(batch):
+        """Each prompt's target K/V and draft context after one prefill of `batch`."""
+        requests = [Request(i, p, SamplingParams(), 0, frozenset()) for i, p in enumerate(batch)]
+        for r in requests:
+            assert llm.allocator.grow(r.block_table, n)
+        llm.worker.prefill(requests)
+        caches = (llm.worker.target_cache, llm.worker.draft_cache)
+        out = [[c[:, :, r.block_table].flatten(2, 3)[:, :, :n].clone() for c in caches]
+               for r in requests]
+        for r in requests:
+            llm.allocator.free(r.block_table)
+        return out
+
+    alone = [prefilled([p])[0] for p in prompts]
+    together = prefilled(prompts)
+    for a, b in zip(alone, together):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("lengths, passes", [
+    ([], []), ([5], [[0]]), ([300, 700, 24, 2000, 5, 6], [[0, 1, 2], [3], [4, 5]]),
+    ([1024, 1, 1023, 2], [[0], [1, 2], [3]])])
+def test_prefill_passes_fill_up_to_the_limit(lengths, passes):
+    assert prefill_passes(lengths, 1024) == passes
 
 
 def test_no_cache_leak_after_200_requests(models):

@@ -28,7 +28,7 @@ import torch
 
 from .. import ops, sampling
 from ..models import AttentionMetadata, DFlashDraft, TargetModel
-from ..models.layers import build_metadata, inference_weight
+from ..models.layers import PANEL_MAX_ROWS, build_metadata, inference_weight
 from ..sampling import noise
 from . import lookup
 from .cost_model import fastest_each
@@ -103,8 +103,18 @@ class Worker:
     # ------------------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def prefill(self, requests: list[Request]) -> list[int]:
-        """Run the prompts, fill the draft context, and return each request's first token."""
+        """Run the prompts, fill the draft context, and return each request's first token.
+        Prompts go in passes of at most PANEL_MAX_ROWS rows, a longer one alone: past that a
+        linear takes another GEMM, which sums in another order, so a pass of several prompts
+        would prefill each differently from itself alone (docs/design.md 4.3)."""
         start = time.perf_counter()
+        first = []
+        for batch in prefill_passes([len(r.prompt_ids) for r in requests], PANEL_MAX_ROWS):
+            first += self._prefill([requests[i] for i in batch])
+        self.prefill_seconds += time.perf_counter() - start
+        return first
+
+    def _prefill(self, requests: list[Request]) -> list[int]:
         lengths = [len(r.prompt_ids) for r in requests]
         meta = build_metadata([r.block_table for r in requests], [0] * len(requests), lengths,
                               self.kv_block_size, self.device, self.num_kv_blocks)
@@ -119,9 +129,7 @@ class Worker:
         params = [r.params for r in requests]
         probs = sampling.target_probs(logits[:, None], params)[:, 0]
         first = sampling.sample(probs, self._is_greedy(requests), self._seeds(requests), lengths)
-        first = first.tolist()
-        self.prefill_seconds += time.perf_counter() - start
-        return first
+        return first.tolist()
 
     # --------------------------------------------------------------------------- the step
     def block_inputs(self, requests: list[Request], num_drafts: int | None = None
@@ -535,3 +543,17 @@ class Worker:
         """The noise offset of a decode step: the position of the first token it decides (the
         one after the pending token), so a request's steps never share noise."""
         return [r.num_cached + 1 for r in requests]
+
+
+def prefill_passes(lengths: list[int], limit: int) -> list[list[int]]:
+    """The prompts (indices into `lengths`, in order) of each prefill pass: as many as fit in
+    `limit` rows together; a longer prompt alone."""
+    passes: list[list[int]] = []
+    rows = limit
+    for i, n in enumerate(lengths):
+        if rows + n > limit:
+            passes.append([])
+            rows = 0
+        passes[-1].append(i)
+        rows += n
+    return passes
