@@ -25,6 +25,7 @@ from dflash import LLM, SamplingParams, sampling  # noqa: E402
 from dflash.cli import build_parser  # noqa: E402
 from dflash.serve import (  # noqa: E402
     Server,  # noqa: E402
+    protocol,
     security,
     serving,
 )
@@ -376,6 +377,85 @@ def test_fields_dflash_cannot_honour_are_400_naming_them(server, field, value):
         "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
         "logit_bias": {}, "min_tokens": 0})
     assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------- text that is not Unicode, shapes, names
+
+# "\\ud800" in JSON is a lone UTF-16 surrogate: valid JSON, but not text any tokenizer encodes
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", r'{"prompt": ["\udfff"]}', "prompt"),
+    ("/v1/completions", r'{"prompt": "\ud800", "stream": true}', "prompt"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}',
+     "messages"),
+    ("/v1/chat/completions",
+     r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+     "messages"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "hi"}]}',
+     "messages")])
+def test_text_that_is_not_unicode_is_a_400_naming_its_field(server, path, body, param):
+    with httpx.Client(base_url=server.url, headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=60) as http:
+        r = http.post(path, content=body.encode())
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "surrogate" in error["message"], error
+        # an unknown model's name is echoed in its 404, whatever it holds
+        r = http.post("/v1/completions", content=rb'{"model": "m\ud800", "prompt": "hi"}')
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+        r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def test_a_template_kwarg_that_is_not_unicode_is_a_400_naming_it(pair):
+    llm = serving_engine(pair[0], dtype="float32", max_num_seqs=1, max_model_len=256)
+    with Server(llm, NAME, port=0, trust_request_chat_template=True) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, headers={
+            "Content-Type": "application/json"}, content=(
+                rb'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                rb'"chat_template": "{{ x }}{{ messages[0].content }}", '
+                rb'"chat_template_kwargs": {"x": "\ud800"}}'))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_message_floods_are_refused_before_their_items_are_validated(server):
+    """Item validation costs time on the event loop: a body with more messages or content
+    parts than the limits is refused on its counts, before any item is looked at (these items
+    are all invalid, and the error is about the count)."""
+    over = protocol.MAX_MESSAGES + 1
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        for messages in ([{"role": 5}] * over,
+                         [{"role": "user", "content": [{"type": "text", "text": 5}] * over}],
+                         [{"role": "user", "content": [{"type": "text", "text": 5}] * 2}] *
+                         (over // 2 + 1)):
+            r = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "messages" and str(protocol.MAX_MESSAGES) in \
+                error["message"], error
+        # at the limit the counts pass (this many messages are then too long to encode)
+        r = http.post("/v1/chat/completions", json={"model": NAME, "messages": [
+            {"role": "user", "content": "hi"}] * protocol.MAX_MESSAGES})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_400s_name_the_field_the_client_sent(server):
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        for value in (0, -5):
+            r = http.post("/v1/chat/completions", json={**chat, "max_completion_tokens": value})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "max_completion_tokens", error
+            assert error["message"].startswith("max_completion_tokens"), error
+        for messages, where in (([{"content": "hi"}], "messages[0].role"),
+                                ([{"role": "user", "content": "hi"}, {"role": "user",
+                                                                       "content": 5}],
+                                 "messages[1].content")):
+            r = http.post("/v1/chat/completions", json={**chat, "messages": messages})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "messages", error
+            assert error["message"].startswith(where), error
 
 
 # ------------------------------------------------------------------------ a dead engine

@@ -38,6 +38,32 @@ def _check_model(state: ServerState, model: str | None) -> None:
                             f"'{state.model_name}'", "model", "model_not_found")
 
 
+# a union type's alternatives, as pydantic names them in an error's location
+_UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def _place(loc: list) -> str:
+    """An error's location as a client reads it (messages[0].role), up to a union type's
+    alternatives (pydantic reports each one's error, e.g. at content.str and content.list[...])."""
+    place = str(loc[0])
+    for x in loc[1:]:
+        if isinstance(x, int):
+            place += f"[{x}]"
+        elif x.isidentifier() and x not in _UNION_TAGS:
+            place += f".{x}"
+        else:
+            break
+    return place
+
+
+def _shown(value) -> str:
+    """A short rendering of an offending value (a long list or object by its size: rendering
+    it whole would take time on the event loop)."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"{'a list' if isinstance(value, list) else 'an object'} of {len(value)} items"
+    return json.dumps(value, default=str)[:80]
+
+
 # -------------------------------------------------------------------------------- the app
 
 def build_app(state: ServerState) -> FastAPI:
@@ -79,16 +105,18 @@ def build_app(state: ServerState) -> FastAPI:
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", first.get("msg", ""))
             return error_response(400, f"the request body is not valid JSON: {detail}")
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        loc = [x for x in first.get("loc", ()) if x != "body"]
         if not loc:
             return error_response(400, f"the request body must be a JSON object: "
                                        f"{first.get('msg', 'invalid')}")
-        # a union type reports its alternatives in the location; the field is the first part
-        param = loc[0]
+        # the top-level field is the param; the message names the place inside it
+        param, where = str(loc[0]), _place(loc)
         if first.get("type") == "missing":
-            return error_response(400, f"{param}: this field is required", param)
-        return error_response(400, f"{param}: {first.get('msg')} (got "
-                                   f"{json.dumps(first.get('input'), default=str)[:80]})", param)
+            return error_response(400, f"{where}: this field is required", param)
+        message = str(first["ctx"]["error"]) if first.get("type") == "value_error" \
+            else first.get("msg")
+        return error_response(400, f"{where}: {message} (got {_shown(first.get('input'))})",
+                              param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
@@ -134,10 +162,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(req: protocol.ChatCompletionRequest, raw: Request):
         _check_model(state, req.model)
         serving.check_honoured(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
+        field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = getattr(req, field)
         # without max_tokens: the rest of max_model_len, once the prompt's length is known
-        params = serving.sampling_params(req, max_tokens, llm.max_model_len)
+        params = serving.sampling_params(req, max_tokens, llm.max_model_len, field)
         messages = serving.chat_messages(req, options)
         return await generate(state, raw, req, params, chat=True,
                                encode=lambda: serving.encode_chat(llm, req, messages, max_chars),

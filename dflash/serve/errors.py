@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+
+from fastapi.responses import Response
 
 from . import protocol
 
@@ -27,6 +29,8 @@ def error_body(status: int, message: str, param: str | None = None,
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status,
-                        headers=headers)
+                   code: str | int | None = None, headers: dict | None = None) -> Response:
+    # ASCII JSON: a message may quote what the client sent, lone surrogates included, which
+    # UTF-8 cannot encode
+    return Response(json.dumps(error_body(status, message, param, code)), status_code=status,
+                    headers=headers, media_type="application/json")

@@ -123,7 +123,7 @@ def _close(state: ServerState, handle: Handle) -> None:
     if not handle.finished:
         state.engine.abort(handle)
 
-def failure(event) -> JSONResponse:
+def failure(event) -> Response:
     if isinstance(event, ValueError):
         return error_response(400, str(event))
     message = str(event) if isinstance(event, Exception) else event.output.error

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+# messages in one chat request, and content parts in all of them together
+MAX_MESSAGES = 4096
 
 
 def random_id(prefix: str) -> str:
@@ -67,8 +70,21 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+def _counted(messages):
+    """The messages' counts, checked before any of them is validated: validation runs on the
+    event loop, and a body of a few MB can hold hundreds of thousands of items."""
+    if isinstance(messages, list):
+        parts = sum(len(m["content"]) for m in messages
+                    if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if len(messages) > MAX_MESSAGES or parts > MAX_MESSAGES:
+            raise ValueError(f"{len(messages)} messages with {parts} content parts; at most "
+                             f"{MAX_MESSAGES} messages and {MAX_MESSAGES} content parts in all "
+                             "are allowed")
+    return messages
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], BeforeValidator(_counted)]
     max_completion_tokens: int | None = None
     chat_template: str | None = None   # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None

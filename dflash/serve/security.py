@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from .errors import error_response
 
@@ -87,7 +87,7 @@ class BodyLimitMiddleware:
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
-    def _too_large(self, size: str) -> JSONResponse:
+    def _too_large(self, size: str) -> Response:
         return error_response(413, f"the request body is {size}, over this server's limit of "
                                    f"{self.limit} bytes (--max-request-bytes)",
                               code="request_too_large")

@@ -93,8 +93,10 @@ def check_honoured(req: protocol.SamplingFields) -> None:
 
 
 def sampling_params(req: protocol.SamplingFields, max_tokens: int | None,
-                    default_max_tokens: int) -> SamplingParams:
-    """The request's SamplingParams; every bad value is a 400 naming its field."""
+                    default_max_tokens: int, max_tokens_field: str = "max_tokens"
+                    ) -> SamplingParams:
+    """The request's SamplingParams; every bad value is a 400 naming its field (max_tokens by
+    the field the request gave it in)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"stop: {len(stop)} stop strings, at most {MAX_STOP_STRINGS} are "
@@ -114,9 +116,12 @@ def sampling_params(req: protocol.SamplingFields, max_tokens: int | None,
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             seed=req.seed, stop=stop, ignore_eos=req.ignore_eos, stop_token_ids=stop_ids)
     except ParamError as e:
-        message = str(e) if e.param != "top_k" else \
-            f"top_k must be -1 or 0 (disabled) or a positive integer, got {req.top_k}"
-        raise ApiError(400, message, e.param) from None
+        param, message = e.param, str(e)
+        if param == "top_k":
+            message = f"top_k must be -1 or 0 (disabled) or a positive integer, got {req.top_k}"
+        elif param == "max_tokens":
+            param, message = max_tokens_field, message.replace("max_tokens", max_tokens_field, 1)
+        raise ApiError(400, message, param) from None
 
 
 def max_prompt_chars(llm) -> int:
@@ -132,6 +137,18 @@ def _check_text_length(text_length: int, limit: int, param: str, max_model_len: 
         raise ApiError(400, f"the {param} has {text_length} characters, more than any text of "
                             f"max_model_len ({max_model_len}) tokens can have ({limit}); it was "
                             "not encoded", param, "context_length_exceeded")
+
+
+def check_text(text: str, param: str, where: str | None = None) -> None:
+    """A 400 for a string that is not Unicode text: JSON's escapes can spell a lone UTF-16
+    surrogate (\\ud800), which no tokenizer encodes. `where`: the place shown (default param)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        raise ApiError(400, f"{where or param}: a lone UTF-16 surrogate (U+{code:04X}) at "
+                            f"character {e.start}; the text must be valid Unicode",
+                       param) from None
 
 
 def check_length(llm, ids: list[int], param: str) -> None:
@@ -152,6 +169,8 @@ def completion_prompt(req: protocol.CompletionRequest) -> str | list[int]:
             raise ApiError(400, f"one prompt per request is supported, got {len(prompt)}",
                            "prompt")
         prompt = prompt[0]
+    if isinstance(prompt, str):
+        check_text(prompt, "prompt")
     return prompt
 
 
@@ -191,6 +210,8 @@ def chat_messages(req: protocol.ChatCompletionRequest, options: Options) -> list
                 raise ApiError(400, f"messages[{i}]: only text content parts are supported",
                                "messages")
             content = "".join(part.text or "" for part in content)
+        check_text(m.role, "messages", f"messages[{i}].role")
+        check_text(content or "", "messages", f"messages[{i}].content")
         messages.append({"role": m.role, "content": content or ""})
     return messages
 
@@ -214,10 +235,14 @@ def encode_chat(llm, req: protocol.ChatCompletionRequest, messages: list[dict],
                                              add_generation_prompt=req.add_generation_prompt,
                                              **kwargs)
     except Exception as e:
-        raise ApiError(400, f"the chat template failed on these messages: {e}",
-                       "messages") from None
+        param = "chat_template_kwargs" if kwargs else "messages"
+        raise ApiError(400, f"the chat template failed on these messages"
+                            f"{' and chat_template_kwargs' if kwargs else ''}: {e}",
+                       param) from None
     if not isinstance(text, str):
         raise ApiError(400, "the chat template did not render text", "chat_template_kwargs")
+    # the messages are valid text (chat_messages): anything else came from the kwargs
+    check_text(text, "chat_template_kwargs", "the chat rendered with chat_template_kwargs")
     _check_text_length(len(text), max_chars, "messages", llm.max_model_len)
     ids = tokenizer.encode(text, add_special_tokens=False) if text else []
     check_length(llm, ids, "messages")
