@@ -107,6 +107,28 @@ def test_scripted_acceptance_every_length_and_exact_metrics(models, baseline):
         1 + totals["num_accepted_tokens"] / totals["num_drafts"])
 
 
+@pytest.mark.parametrize("speculation", ["fixed", "chain", "adaptive"])
+def test_greedy_output_reaches_max_model_len_exactly(models, speculation):
+    """A sequence ends at max_model_len tokens with target-only decoding's tokens, whatever the
+    last steps would verify: their drafts and tree nodes stop at the positions left."""
+    target, draft, _ = models
+    sp = SamplingParams(max_tokens=500, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(target, dtype="float32", max_num_seqs=4,
+                                    max_model_len=48).generate(PROMPTS[:4], sp)]
+    assert all(len(p) + len(r) == 48 for p, r in zip(PROMPTS[:4], ref))
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=4, max_model_len=48,
+              speculation=speculation)
+    outs = llm.generate(PROMPTS[:4], sp)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.finish_reason == "length" for o in outs)
+    # every draft accepted: each step could commit a whole block past the limit
+    full = LLM(target, dtype="float32", max_num_seqs=4, max_model_len=48, block_size=B)
+    full.worker.proposer = ScriptedProposer({tuple(p): r + [0] * B for p, r in
+                                             zip(PROMPTS[:4], ref)},
+                                            {tuple(p): [B - 1] for p in PROMPTS[:4]}, 96)
+    assert [o.token_ids for o in full.generate(PROMPTS[:4], sp)] == ref
+
+
 def test_stop_token_inside_accepted_block(models, baseline):
     target, _, _ = models
     ref = baseline.generate(PROMPTS[3], SamplingParams(max_tokens=40 + B))[0].token_ids

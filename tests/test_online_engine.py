@@ -100,6 +100,32 @@ class FullAcceptance:
         return torch.tensor(rows), None
 
 
+@pytest.mark.parametrize("at_token", [1, 3])
+def test_abort_from_a_request_s_own_callback(llm, reference, at_token):
+    """on_tokens may abort its request: while its first token is committed (it is being
+    admitted) or a later one. It ends once, reported once, its blocks free, the others exact."""
+    engine = llm.engine
+    before = llm.metrics()["requests"]
+    seen = []
+
+    def on_tokens(new, seen=seen):
+        seen.extend(new)
+        if len(seen) >= at_token:
+            engine.abort(victim)
+
+    victim = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=48), on_tokens=on_tokens)
+    other = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=48))
+    outputs = _run(engine)
+    ends = [o for o in outputs[victim] if o.finished]
+    assert len(ends) == 1 and ends[0].finish_reason == "abort"
+    streamed = [t for o in outputs[victim] for t in o.new_token_ids]
+    assert streamed == ends[0].output.token_ids == reference[0][:len(streamed)]
+    assert len(streamed) >= at_token
+    assert outputs[other][-1].output.token_ids == reference[1]
+    assert llm.metrics()["requests"] == before + 2
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
 def test_stop_string_across_tokens_and_inside_an_accepted_block(models, reference):
     target, _ = models
     tok = CharTokenizer()

@@ -395,6 +395,25 @@ def test_sampled_roots_alone_draw_what_a_plain_sampled_step_draws(models):
     assert emitted == [[t] for t in drawn.tolist()]
 
 
+def test_full_trees_stop_at_max_model_len_with_target_only_tokens(models):
+    """Trees near max_model_len (the prompt lookup's branch included) reach no deeper than the
+    positions left, and each request's acceptance per position has one entry per block
+    position, however many nodes its trees held."""
+    target, draft = models
+    sp = SamplingParams(max_tokens=500, ignore_eos=True)
+    prompts = PROMPTS[:4] + [[5, 6, 7] * 4]   # a repeating prompt: the lookup proposes
+    ref = [o.token_ids for o in LLM(target, dtype="float32", max_num_seqs=5,
+                                    max_model_len=40).generate(prompts, sp)]
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=5, max_model_len=40,
+              speculation="adaptive")
+    llm.engine.planner = FullTrees(0, k_max=B - 1)
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == ref
+    assert all(len(p) + len(o.token_ids) == 40 for p, o in zip(prompts, outs))
+    assert max(llm.metrics()["tree_node_histogram"]) > B
+    assert all(len(o.metrics.accepted_per_position) <= B - 1 for o in outs)
+
+
 def test_greedy_requests_in_a_batch_with_sampled_ones_stay_exact(models, expected):
     llm = LLM(*models, dtype="float32", max_num_seqs=8, speculation="adaptive")
     llm.engine.planner = FullTrees(0, k_max=B - 1)

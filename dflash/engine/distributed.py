@@ -69,11 +69,12 @@ class TPWorker(Worker):
         return self._lead("step", requests, lambda rs: super(TPWorker, self).step(
             rs, num_drafts=num_drafts), num_drafts)
 
-    def tree_step(self, requests: list[Request], depths: list[int], size: int, choose):
+    def tree_step(self, requests: list[Request], depths: list[int], reach: list[int],
+                  size: int, choose):
         if self.proposer is not None:
             raise ValueError("a scripted proposer is not supported with tensor parallelism")
         return self._lead("tree_step", requests, lambda rs: super(TPWorker, self).tree_step(
-            rs, depths, size, choose), depths, size)
+            rs, depths, reach, size, choose), depths, reach, size)
 
     def measure_costs(self, *args):
         if self.group is None:
@@ -97,7 +98,7 @@ class TPWorker(Worker):
         if kind == "prefill":
             self.prefill(requests)
         elif kind == "tree_step":   # the sizes are rank 0's (grow_trees)
-            self.tree_step(requests, payload[1], payload[2],
+            self.tree_step(requests, payload[1], payload[2], payload[3],
                            lambda trees, _: [t.prefix(1) for t in trees])
         else:
             self.step(requests, num_drafts=payload[1])

@@ -109,12 +109,13 @@ class LLMEngine:
         r = self._requests.get(request_id)
         if r is None or r.finished:
             return False
-        if r in self.running:
-            self.running.remove(r)
-        else:
-            self.waiting.remove(r)
         r.finish("abort")
-        self._release(r)
+        for queue in (self.running, self.waiting):
+            if r in queue:
+                queue.remove(r)
+                self._release(r)
+        # else its first token is being committed (an on_tokens callback): the scheduler
+        # retires it with the requests it admitted
         self._done.append(r)
         return True
 
@@ -159,7 +160,8 @@ class LLMEngine:
             touched += in_flight
         seen, outputs = set(), []
         for r in touched:
-            if r.request_id not in seen:
+            # a request's end is reported once (one aborted from a callback is touched twice)
+            if r.request_id not in seen and r.request_id in self._requests:
                 seen.add(r.request_id)
                 outputs.append(self._report(r))
         return outputs
@@ -184,7 +186,7 @@ class LLMEngine:
             return
         running = list(self.running)
         touched += running
-        num_drafts = self._plan(running)
+        num_drafts = [min(k, n) for k, n in zip(self._plan(running), self._room(running)[0])]
         if self.trees and self.planner is not None and any(num_drafts) and \
                 self.worker.can_tree(running):
             self._tree_step(running, num_drafts)
@@ -212,19 +214,41 @@ class LLMEngine:
         step_start = time.perf_counter()
 
         def run(rs: list[Request], ks: list[int]):
-            depths = tree.depth_limits(ks, self.block_size - 1)
+            depths, reach = self._tree_depths(rs, ks)
             return list(zip(*self.worker.tree_step(
-                rs, depths, self.planner.tree_size(),
+                rs, depths, reach, self.planner.tree_size(),
                 lambda candidates, requests: self.planner.choose_nodes(
                     candidates, requests, sum(d > 0 for d in depths), max(depths)))))
 
         ok, ks, results = self._call(run, running, num_drafts)
         if ok:
             trees, paths = [t for _, t, _ in results], [p for _, _, p in results]
-            self.planner.observe_trees(ok, trees, paths, tree.depth_limits(ks, self.block_size - 1),
+            self.planner.observe_trees(ok, trees, paths, self._tree_depths(ok, ks)[0],
                                        time.perf_counter() - step_start)
             self.stats.record_tree_step(ok, trees, paths)
         self._commit_each(ok, [tokens for tokens, _, _ in results])
+
+    def _room(self, requests: list[Request]) -> tuple[list[int], list[int]]:
+        """Per request, the most drafts its next step's draft pass may propose, and the deepest
+        any node may lie (the prompt lookup's too): a step commits up to one token more than it
+        verifies, and no sequence grows past max_model_len. The draft's block must fit there
+        too (the RoPE tables end), so the last block_size - 1 tokens get no draft pass."""
+        drafts, reach = [], []
+        for r in requests:
+            length = len(r.prompt_ids) + len(r.output_ids)
+            left = self.max_model_len - length - 1
+            drafts.append(left if length + self.block_size - 1 <= self.max_model_len else 0)
+            reach.append(min(left, self.block_size - 1))
+        return drafts, reach
+
+    def _tree_depths(self, requests: list[Request], ks: list[int]
+                     ) -> tuple[list[int], list[int]]:
+        """Per request of a tree step (before its tokens are committed): how deep the draft's
+        candidates may reach (`tree.depth_limits` of its chain length) and how deep any node
+        may, within `_room`."""
+        drafts, reach = self._room(requests)
+        return [min(d, n) for d, n in zip(tree.depth_limits(ks, self.block_size - 1), drafts)], \
+            reach
 
     def _plan(self, running: list[Request]) -> list[int]:
         if self.block_size == 1:
@@ -274,7 +298,7 @@ class LLMEngine:
         on_tokens = self._on_tokens.get(r.request_id)
         if on_tokens is not None:
             on_tokens(r.output_ids[before:])
-        if len(r.tokens) + self.block_size > self.max_model_len and not r.finished:
+        if len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len and not r.finished:
             r.finish("length")
 
     def _fail(self, r: Request, error: Exception) -> None:

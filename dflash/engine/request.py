@@ -38,12 +38,15 @@ class RequestMetrics:
             return None
         return (self.finish_time - self.first_token_time) / (self.generated_tokens - 1)
 
-    def record_step(self, proposed: int, accepted: int) -> None:
+    def record_step(self, proposed: int, accepted: int, positions: int | None = None) -> None:
+        """A verification step of `proposed` drafts (a chain, or a tree's nodes) over
+        `positions` block positions (default: proposed, a chain's) that accepted `accepted`."""
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
-        if len(self.accepted_per_position) < proposed:
-            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        positions = proposed if positions is None else positions
+        if len(self.accepted_per_position) < positions:
+            self.accepted_per_position += [0] * (positions - len(self.accepted_per_position))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 

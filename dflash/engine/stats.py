@@ -71,7 +71,7 @@ class Stats:
             self.tree_nodes[k] = self.tree_nodes.get(k, 0) + 1
             self.tree_depths[a] = self.tree_depths.get(a, 0) + 1
             if k > 0:
-                r.metrics.record_step(k, a)
+                r.metrics.record_step(k, a, max(t.depths))
         scores, _, accepted = tree.verified_nodes(trees, paths)
         for b, hit in zip(tree.confidence_bins(scores).tolist(), accepted):
             self.confidence_verified[b] += 1

@@ -317,17 +317,17 @@ class Worker:
             self.block_size > 1 and self.draft_sampling == "greedy"
 
     @torch.inference_mode()
-    def tree_step(self, requests: list[Request], depths: list[int], size: int, choose
-                  ) -> tuple[list[list[int]], list[Tree], list[list[int]]]:
+    def tree_step(self, requests: list[Request], depths: list[int], reach: list[int], size: int,
+                  choose) -> tuple[list[list[int]], list[Tree], list[list[int]]]:
         """One decode step verifying a tree of drafts per sequence (docs/design.md 4.6).
 
-        Requests of depth > 0 get trees of at most `size` nodes that reach at most that deep
-        (`grow_trees`); one target
+        Requests of depth > 0 get trees of at most `size` nodes that reach at most that deep,
+        and no node of request i lies deeper than reach[i] (`grow_trees`); one target
         pass over every tree (rows: root, then nodes; a node attends to its context, its
         ancestors and itself) gives the target's logits at every node; each request accepts a
         path (`accept_trees`) and commits it and the token after it. Returns the emitted tokens,
         the verified trees and their accepted paths (node indices)."""
-        trees = self.grow_trees(requests, depths, size, choose)
+        trees = self.grow_trees(requests, depths, reach, size, choose)
         meta = build_metadata([r.block_table for r in requests], [r.num_cached for r in requests],
                               [len(t) for t in trees], self.kv_block_size, self.device,
                               self.num_kv_blocks,
@@ -355,14 +355,15 @@ class Worker:
         return emitted, trees, paths
 
     @torch.inference_mode()
-    def grow_trees(self, requests: list[Request], depths: list[int], size: int, choose
-                   ) -> list[Tree]:
+    def grow_trees(self, requests: list[Request], depths: list[int], reach: list[int],
+                   size: int, choose) -> list[Tree]:
         """Each request's tree, as `choose(candidates, requests)` keeps it of its candidates:
         the root (its pending token), for a request of depth > 0 under the best-first tree of
         `size` nodes over one draft pass's top candidates at its first `depth` block positions,
-        and for every request with the prompt lookup's branch grafted on, up to the block's
-        positions deep. The draft's block reaches at least as deep as the deepest tree may
-        (`block_inputs`), and only those positions go through the draft's lm_head and top-k."""
+        and for every request with the prompt lookup's branch grafted on, up to `reach` deep
+        (at most the block's positions). The draft's block reaches at least as deep as the
+        deepest tree may (`block_inputs`), and only those positions go through the draft's
+        lm_head and top-k."""
         # a tree's rows take the slots after the sequence's cached tokens: as many as its
         # reservation has left (at least a block's, section 4.6)
         room = [len(r.block_table) * self.kv_block_size - r.num_cached - 1 for r in requests]
@@ -382,8 +383,7 @@ class Worker:
             for j, i in enumerate(chosen):
                 trees[i] = best_first(trees[i].tokens[0], ids[j][:depths[i]],
                                       probs[j][:depths[i]], min(size, room[i]))
-        candidates = [graft(t, *lookup.propose(r.tokens, self.block_size - 1),
-                            min(room[i], MAX_NODES))
+        candidates = [graft(t, *lookup.propose(r.tokens, reach[i]), min(room[i], MAX_NODES))
                       for i, (t, r) in enumerate(zip(trees, requests))]
         if all(len(t) == 1 for t in candidates):
             return candidates
