@@ -240,7 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
                       root=str(target),
                       log_level=args.log_level, api_key=args.api_key, max_queue=args.max_queue,
                       max_request_bytes=args.max_request_bytes,
-                      stream_timeout=args.stream_timeout,
+                      stream_timeout=args.stream_timeout, body_timeout=args.body_timeout,
                       trust_request_chat_template=args.trust_request_chat_template,
                       allowed_hosts=tuple(args.allowed_hosts)).run()
     finally:
@@ -374,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-timeout", type=float, default=30.0,
                    help="seconds a stream may wait for a client that does not read before the "
                         "request is aborted and the connection closed (default 30)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive; a slower one gets 408 and "
+                        "its connection is closed (default 30)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests supply their own chat template (rendered with the "
                         "server's resources: trusted clients only)")

@@ -274,6 +274,24 @@ def test_clients_that_stop_reading_release_their_slots(pair):
         _wait_idle(s)
 
 
+def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(pair):
+    """A client that sends part of its body and stalls (one of many such would hold the
+    server's connections) is answered 408 once --body-timeout has passed."""
+    llm = serving_engine(pair[0], dtype="float32", max_num_seqs=1, max_model_len=256)
+    with Server(llm, NAME, port=0, body_timeout=1.0) as s:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                b"application/json\r\nContent-Length: 100\r\n\r\n")
+        stalled = [_raw(s, head + part) for part in (b"", b'{"prompt": "hi", ')]
+        for sock in stalled:
+            status, data = _status(sock)
+            assert status == 408 and b"--body-timeout" in data, data
+            assert sock.recv(1) == b""   # closed
+            sock.close()
+        r = httpx.post(s.url + "/v1/completions", timeout=60,
+                       json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
 # -------------------------------------------------------------------- key, Host, /docs
 
 def test_the_api_key_is_compared_in_constant_time(monkeypatch):
@@ -507,7 +525,7 @@ def test_serving_limits_are_documented_defaults():
     """The CLI's defaults are the Options' defaults (one source for the README's table)."""
     args = build_parser().parse_args(["serve", "--target", "t"])
     options = serving.Options()
-    assert (args.max_request_bytes, args.stream_timeout, args.max_queue,
+    assert (args.max_request_bytes, args.stream_timeout, args.body_timeout, args.max_queue,
             args.trust_request_chat_template) == (
-        options.max_request_bytes, options.stream_timeout, options.max_queue,
-        options.trust_request_chat_template)
+        options.max_request_bytes, options.stream_timeout, options.body_timeout,
+        options.max_queue, options.trust_request_chat_template)

@@ -88,7 +88,8 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dflash", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     # outermost last: the key or the Host header is checked before the body is read
-    app.add_middleware(BodyLimitMiddleware, limit=options.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=options.max_request_bytes,
+                       timeout=options.body_timeout)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, key=options.api_key)
     else:

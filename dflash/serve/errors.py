@@ -10,7 +10,8 @@ from . import protocol
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 500: "server_error", 503: "server_busy"}
+               408: "invalid_request_error", 413: "invalid_request_error",
+               500: "server_error", 503: "server_busy"}
 
 
 class ApiError(Exception):

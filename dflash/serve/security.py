@@ -7,11 +7,13 @@ ASGI middleware before FastAPI parses anything (docs/design.md 4.5).
   or an allowed name are served: a web page that rebinds its own domain to 127.0.0.1 sends its
   domain in Host, so a browser cannot reach a keyless server on the loopback.
 - A body over the limit is refused with 413 before it is read whole: as declared by
-  Content-Length, or as counted while a chunked body arrives.
+  Content-Length, or as counted while a chunked body arrives; one still arriving after the
+  body timeout gets 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 
@@ -81,11 +83,13 @@ class HostMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Reads a request body of at most `limit` bytes, then hands it to the app in one message;
-    a larger body gets 413 naming the limit."""
+    """Reads a request body of at most `limit` bytes within `timeout` seconds, then hands it to
+    the app in one message; a larger body gets 413 naming the limit, and one still arriving
+    after the timeout 408 (a client that sends part of a body and stalls would otherwise hold
+    its connection for good)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     def _too_large(self, size: str) -> Response:
         return error_response(413, f"the request body is {size}, over this server's limit of "
@@ -99,8 +103,16 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._too_large(f"{int(declared)} bytes")(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(
+                    receive(), max(deadline - asyncio.get_running_loop().time(), 0.0))
+            except asyncio.TimeoutError:
+                return await error_response(
+                    408, f"the request body did not arrive within {self.timeout:g} s "
+                         "(--body-timeout)", code="request_timeout",
+                    headers={"Connection": "close"})(scope, receive, send)
             if message["type"] != "http.request":   # the client left
                 return
             chunks.append(message.get("body", b""))

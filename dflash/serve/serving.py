@@ -78,6 +78,7 @@ class Options:
     max_queue: int = 256
     max_request_bytes: int = 4 * 2**20
     stream_timeout: float = 30.0
+    body_timeout: float = 30.0
     trust_request_chat_template: bool = False
     allowed_hosts: tuple[str, ...] = ()
 
