@@ -129,6 +129,19 @@ def test_greedy_output_reaches_max_model_len_exactly(models, speculation):
     assert [o.token_ids for o in full.generate(PROMPTS[:4], sp)] == ref
 
 
+def test_a_prompt_takes_max_model_len_as_target_only_decoding_does(models):
+    """A prompt within a block of max_model_len runs (its last tokens decode without a draft
+    pass) and gives target-only decoding's tokens, up to max_model_len."""
+    target, draft, _ = models
+    sp = SamplingParams(max_tokens=100, ignore_eos=True)
+    prompts = [list(range(1, 32)), list(range(1, 30)), list(range(3, 28))]
+    ref = [o.token_ids for o in LLM(target, dtype="float32", max_num_seqs=3,
+                                    max_model_len=32).generate(prompts, sp)]
+    assert [len(r) for r in ref] == [1, 3, 7]
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=3, max_model_len=32)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+
+
 def test_stop_token_inside_accepted_block(models, baseline):
     target, _, _ = models
     ref = baseline.generate(PROMPTS[3], SamplingParams(max_tokens=40 + B))[0].token_ids
@@ -247,8 +260,8 @@ def test_guards(models):
     with pytest.raises(ValueError, match="context parallelism"):
         LLM(target, draft, cp_size=2)
     llm = LLM(target, draft, dtype="float32", max_model_len=32)
-    with pytest.raises(ValueError, match="prompt of 30 tokens does not fit"):
-        llm.generate([list(range(1, 31))])
+    with pytest.raises(ValueError, match="prompt of 32 tokens does not fit"):
+        llm.generate([list(range(1, 33))])
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello")
     with pytest.raises(ValueError, match="token ids must be in"):

@@ -56,9 +56,9 @@ class Processor:
     def admit(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the sizes, if a request of these prompt tokens and params
         can never run here (too long for max_model_len or for the whole cache)."""
-        if len(prompt_ids) + self.block_size > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit: prompt + one "
-                             f"block of {self.block_size} exceeds max_model_len "
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit: it leaves no "
+                             f"room for an output token within max_model_len "
                              f"{self.max_model_len}")
         blocks = self.allocator.blocks_for(self.reservation(len(prompt_ids), params))
         if blocks > self.allocator.num_blocks:

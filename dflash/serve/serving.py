@@ -155,11 +155,11 @@ def check_text(text: str, param: str, where: str | None = None) -> None:
 def check_length(llm, ids: list[int], param: str) -> None:
     if not ids:
         raise ApiError(400, f"{param} must not be empty", param)
-    if len(ids) + llm.block_size > llm.max_model_len:
+    if len(ids) >= llm.max_model_len:
         what = "prompt" if param == "prompt" else "prompt built from the messages"
-        raise ApiError(400, f"the {what} has {len(ids)} tokens; with one block of "
-                            f"{llm.block_size} it exceeds this model's max_model_len "
-                            f"({llm.max_model_len} tokens)", param, "context_length_exceeded")
+        raise ApiError(400, f"the {what} has {len(ids)} tokens; it leaves no room for an output "
+                            f"token within this model's max_model_len ({llm.max_model_len} "
+                            "tokens)", param, "context_length_exceeded")
 
 
 def completion_prompt(req: protocol.CompletionRequest) -> str | list[int]:
