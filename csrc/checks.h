@@ -398,8 +398,10 @@ inline void qkv_rope_cache_meta(const at::Tensor& qkv,
   DFLASH_CHECK(d > 0 && d % 2 == 0, op, "head_dim ", d,
                " must be positive and even for rotate-half RoPE");
   check_tensor(op, "value_cache", value_cache, {dtype}, 4, key_cache.sizes(), dev);
-  DFLASH_CHECK(hkv > 0 && num_heads > 0 && num_heads % hkv == 0, op, "num_heads ", num_heads,
-               " must be a positive multiple of the caches' ", hkv, " kv heads");
+  // bounded: a larger count would overflow the width below
+  DFLASH_CHECK(hkv > 0 && num_heads > 0 && num_heads <= INT32_MAX && num_heads % hkv == 0, op,
+               "num_heads ", num_heads, " must be a positive multiple of the caches' ", hkv,
+               " kv heads, at most 2**31 - 1");
   check_tensor(op, "qkv", qkv, {dtype}, 2, {kAny, (num_heads + 2 * hkv) * d}, dev);
   const int64_t t = qkv.size(0);
   if (q_norm_weight) check_tensor(op, "q_norm_weight", *q_norm_weight, kFloats, 1, {d}, dev);

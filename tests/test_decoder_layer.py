@@ -113,3 +113,51 @@ def test_long_prefills_take_the_ops_one_by_one(checkpoint, monkeypatch):
     with torch.inference_mode():
         model(torch.arange(9), meta, cache)
     assert not calls
+
+
+def _layer_call(t=5, h=32, hq=4, hkv=2, d=8, inter=24):
+    """Arguments of one ops.decoder_layer call with plain weights: a sequence of 3 cached tokens
+    (block 0) and 5 new ones (slots of blocks 3 and 4)."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
+    return dict(
+        x=r(t, h), residual=r(t, h), input_norm=1 + r(h), post_norm=1 + r(h),
+        qkv=r((hq + 2 * hkv) * d, h), qkv_scales=None, qkv_mins=None, qkv_bias=None,
+        q_norm=None, k_norm=None, o=r(h, hq * d), o_scales=None, o_mins=None, o_bias=None,
+        gate_up=r(2 * inter, h), gate_up_scales=None, gate_up_mins=None,
+        down=r(h, inter), down_scales=None, down_mins=None, cos_sin=r(t, d),
+        key_cache=r(6, BLOCK, hkv, d), value_cache=r(6, BLOCK, hkv, d),
+        slot_mapping=torch.arange(12, 12 + t), block_table=torch.tensor([[0, 3, 4]],
+                                                                         dtype=torch.int32),
+        context_lens=torch.tensor([3], dtype=torch.int32),
+        cu_query_lens=torch.tensor([0, t], dtype=torch.int32), tree_mask=None, num_heads=hq,
+        scale=d ** -0.5, eps=1e-6, check=True)
+
+
+BAD_CALLS = {
+    "block_table": lambda a: a["block_table"].__setitem__((0, 0), 99),
+    "cu_query_lens": lambda a: a["cu_query_lens"].__setitem__(-1, 4),
+    "tree_mask": lambda a: a.__setitem__("tree_mask", torch.full((5, 1), 255, dtype=torch.uint8)),
+    "o": lambda a: a.__setitem__("o", a["o"][:, :-1]),
+    "gate_up": lambda a: a.__setitem__("gate_up", a["gate_up"][:-1]),
+    "down": lambda a: a.__setitem__("down", a["down"][:-1]),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_CALLS))
+def test_a_rejected_call_leaves_the_caches_untouched(bad):
+    """The layer writes the new tokens' K/V before its attention and later projections run, so
+    what those would reject is checked before the write: a ValueError naming the problem, and
+    the caches as they were (dflash/ops/checks.py's rule for every op)."""
+    from dflash import ops
+
+    ops.decoder_layer(**_layer_call())   # the unchanged call runs
+    call = _layer_call()
+    BAD_CALLS[bad](call)
+    keys, values = call["key_cache"].clone(), call["value_cache"].clone()
+    with pytest.raises(ValueError, match=bad):
+        ops.decoder_layer(**call)
+    assert torch.equal(call["key_cache"], keys) and torch.equal(call["value_cache"], values)

@@ -228,6 +228,10 @@ def _bad_inputs():
         ("rope", "cos_sin has dtype torch.bfloat16", {"cos_sin": p["cos_sin"].bfloat16()}),
         ("qkv_rope_cache", "num_heads 3 must be a positive multiple of the caches' 2 kv heads",
          {"num_heads": 3}),
+        # (num_heads + 2 kv heads) * head_dim would wrap a 64-bit integer to qkv's own width
+        ("qkv_rope_cache", "num_heads 576460752303423492 must be a positive multiple of the "
+                           "caches' 2 kv heads, at most 2\\*\\*31 - 1",
+         {"num_heads": 2**59 + 4}),
         ("qkv_rope_cache", "qkv has shape \\[5, 255\\], expected size 256 in dim 1",
          {"qkv": q["qkv"][:, :-1]}),
         ("qkv_rope_cache", "qkv has dtype torch.bfloat16", {"qkv": q["qkv"].bfloat16()}),
@@ -298,3 +302,18 @@ def test_every_layer_op_has_inputs_and_a_kernel():
     assert set(INPUTS) == set(registry.LAYER_OPS)
     for op in registry.LAYER_OPS:
         assert ops.implementation(op).startswith("kernel"), op
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_empty_batch_is_served_by_the_reference_as_by_the_kernel(bits):
+    """Zero rows: the reference (the op on every device without a kernel) returns what the CPU
+    kernel returns, empty results of the right shapes, instead of failing."""
+    a = quant_linear_inputs(bits=bits)
+    args = (a["x"][:0], a["weight"], a["scales"], a.get("mins"), None)
+    assert reference.quant_linear(*args).shape == ops.quant_linear(*args).shape == (0, 48)
+    q = qkv_rope_cache_inputs()
+    q.update(qkv=q["qkv"][:0], cos_sin=q["cos_sin"][:0], slot_mapping=q["slot_mapping"][:0])
+    keys = q["key_cache"].clone()
+    kernel, ref = torch.ops.dflash.qkv_rope_cache(**q), reference.qkv_rope_cache(**q)
+    assert [t.shape for t in kernel] == [t.shape for t in ref]
+    assert torch.equal(q["key_cache"], keys)

@@ -370,8 +370,10 @@ def qkv_rope_cache_meta(qkv, q_norm_weight, k_norm_weight, cos_sin, key_cache, v
     require(d > 0 and d % 2 == 0, op,
             f"head_dim {d} must be positive and even for rotate-half RoPE")
     check_tensor(op, "value_cache", value_cache, dtype, 4, tuple(key_cache.shape), dev)
-    require(hkv > 0 and num_heads > 0 and num_heads % hkv == 0, op,
-            f"num_heads {num_heads} must be a positive multiple of the caches' {hkv} kv heads")
+    # bounded: a larger count would overflow the width below in the C++ kernels' int64
+    require(hkv > 0 and 0 < num_heads <= 2**31 - 1 and num_heads % hkv == 0, op,
+            f"num_heads {num_heads} must be a positive multiple of the caches' {hkv} kv heads, "
+            "at most 2**31 - 1")
     check_tensor(op, "qkv", qkv, dtype, 2, (None, (num_heads + 2 * hkv) * d), dev)
     t = qkv.shape[0]
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):

@@ -51,7 +51,7 @@ def _groups(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def _codes(v, inverse, bad) -> torch.Tensor:
     return torch.round(v * inverse[..., None]).masked_fill(bad[..., None], 0).to(torch.int8) \
-        .reshape(v.shape[0], -1)
+        .flatten(1)
 
 
 def quantize_groups(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

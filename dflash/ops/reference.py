@@ -332,7 +332,7 @@ def qkv_rope_cache(qkv: torch.Tensor, q_norm_weight: torch.Tensor | None,
     if check:
         checks.slot_mapping_values("qkv_rope_cache", slot_mapping, key_cache)
     t, (hkv, d) = qkv.shape[0], key_cache.shape[2:]
-    q, k, v = qkv.view(t, -1, d).split([num_heads, hkv, hkv], dim=1)
+    q, k, v = qkv.view(t, num_heads + 2 * hkv, d).split([num_heads, hkv, hkv], dim=1)
 
     def norm_rope(x, weight):
         x = x.float() if weight is None else rms_norm_float32(x, weight, eps)
