@@ -198,3 +198,18 @@ def test_exponential_race_picks_largest_ratio():
     p = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
     out, _ = _rs([], p, exponential=torch.tensor([0.01, 1.0, 1.0, 1.0]))
     assert out[0].tolist() == [0]   # 0.1 / 0.01 = 10 beats 0.4 / 1
+
+
+def test_degenerate_cache_shapes_are_served_as_by_the_kernels():
+    """Shapes the checks allow: a block size of 0 with no context (paged_attention) and no kv
+    heads (context_kv). The references give what the CPU kernels give instead of failing."""
+    p = paged_attention_inputs(context_lens=(0, 0, 0))
+    p["key_cache"], p["value_cache"] = p["key_cache"][:, :0], p["value_cache"][:, :0]
+    torch.testing.assert_close(reference.paged_attention(**p),
+                               torch.ops.dflash.paged_attention(**p))
+    c = context_kv_inputs(hkv=0)
+    kernel = dict(c, key_caches=[x.clone() for x in c["key_caches"]],
+                  value_caches=[x.clone() for x in c["value_caches"]])
+    reference.context_kv(**c)
+    torch.ops.dflash.context_kv(**kernel)
+    assert all(torch.equal(a, b) for a, b in zip(c["key_caches"], kernel["key_caches"]))

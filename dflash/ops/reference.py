@@ -55,7 +55,7 @@ def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm
 
     layers, head_dim = k_norm_weight.shape
     num_blocks, block_size, hkv, _ = key_caches[0].shape
-    kv = kv.view(-1, layers, 2, hkv, head_dim)
+    kv = kv.view(kv.shape[0], layers, 2, hkv, head_dim)   # rows explicit: hkv may be 0
     cos_sin = cos_sin_cache[positions]
     for layer in range(layers):
         k = rms_norm_float32(kv[:, layer, 0], k_norm_weight[layer], eps)
@@ -71,6 +71,8 @@ def context_kv(hidden, fc_weight, hidden_norm_weight, kv_weight, kv_bias, k_norm
 def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one sequence from a paged cache: [length, Hkv, D]."""
     block_size = cache.shape[1]
+    if length == 0:   # also where blocks hold no token (block_size 0)
+        return cache.new_empty(0, *cache.shape[2:])
     num_blocks = (length + block_size - 1) // block_size
     blocks = cache[block_table_row[:num_blocks].long()]
     return blocks.reshape(-1, *cache.shape[2:])[:length]
