@@ -79,8 +79,9 @@ std::pair<int64_t, int64_t> linear_shape(const char* name, const Tensor& weight,
 
 // What the ops after qkv_rope_cache, which writes the caches, would reject: checked before it, so
 // that a rejected call leaves the caches as they were (dflash/ops/checks.py). The attention's
-// index values are read where that costs no device copy or where `check` asks for one, never
-// from a traced (fake or functional) tensor.
+// index values are read only when `check` asks for it (check=False: a step plan the caller
+// checked, as the engine's are, so the decode path pays nothing here), never from a traced
+// (fake or functional) tensor.
 void check_before_writing(const Tensor& x, const Tensor& key_cache, const Tensor& o,
                           const Opt& o_scales, const Opt& o_mins, const Tensor& gate_up,
                           const Opt& gate_up_scales, const Opt& gate_up_mins, const Tensor& down,
@@ -98,7 +99,7 @@ void check_before_writing(const Tensor& x, const Tensor& key_cache, const Tensor
   if (tree_mask)
     check_tensor(attention, "tree_mask", *tree_mask, {at::kByte}, 2, {t, checks::kAny}, dev);
   const bool traced = at::isTensorSubclassLike(block_table) || block_table.is_meta();
-  if ((check || block_table.is_cpu()) && !traced) {
+  if (check && !traced) {
     const Tensor table = block_table.cpu().contiguous(), lens = context_lens.cpu().contiguous(),
                  cu = cu_query_lens.cpu().contiguous();
     checks::paged_attention_values(t, key_cache.size(0), key_cache.size(1),
