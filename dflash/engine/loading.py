@@ -83,12 +83,19 @@ def _load_models(args: EngineArgs, dtype: torch.dtype, group) -> Loaded:
     if draft is not None:
         limit = min(limit, draft.cos_sin.shape[0])
     max_model_len = min(served, limit)
-    blocks_per_seq = -(-(max_model_len + block_size) // args.kv_block_size)
-    allocator = BlockAllocator(args.num_kv_blocks or args.max_num_seqs * blocks_per_seq,
-                               args.kv_block_size)
-    worker_args = (target, draft, allocator.num_blocks, args.kv_block_size, block_size,
+    if max_model_len <= block_size:
+        raise ValueError(f"max_model_len must be above the block size ({block_size}: a "
+                         f"{'draft block' if draft is not None else 'token'} after a prompt "
+                         f"token), got {max_model_len}")
+    num_blocks = args.num_kv_blocks
+    if num_blocks is None:
+        num_blocks = args.max_num_seqs * -(-(max_model_len + block_size) // args.kv_block_size)
+    # the caches first: a block count too large to hold fails there, before the allocator
+    # lists every block id
+    worker_args = (target, draft, num_blocks, args.kv_block_size, block_size,
                    args.draft_sampling)
     worker = Worker(*worker_args) if group is None else group.worker(*worker_args)
+    allocator = BlockAllocator(num_blocks, args.kv_block_size)
     stop_ids = set(target.cfg.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)

@@ -3,6 +3,8 @@ a finished `Request` to its `RequestOutput`."""
 
 from __future__ import annotations
 
+import numbers
+
 from .. import sampling
 from ..sampling import SamplingParams
 from .cache import BlockAllocator
@@ -37,18 +39,34 @@ class Processor:
         chat template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the target has no tokenizer chat template")
+        if not isinstance(message, str):
+            raise TypeError(f"a chat message must be a string, got {type(message).__name__}")
         return self.tokenizer.apply_chat_template([{"role": "user", "content": message}],
                                                   tokenize=False, add_generation_prompt=True)
 
     def encode(self, prompt) -> list[int]:
-        """The token ids a request runs for `prompt` (a string, or token ids it checks)."""
+        """The token ids a request runs for `prompt` (a string, or a list or tuple of token
+        ids); raises ValueError for an empty prompt or an id outside the vocabulary, TypeError
+        for anything else."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this target has no tokenizer: pass prompts as token id lists")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            if not ids:
+                raise ValueError("empty prompt: the text encodes to no tokens")
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                       for t in prompt):
+                bad = next(t for t in prompt if not isinstance(t, numbers.Integral)
+                           or isinstance(t, bool))
+                raise TypeError(f"prompt token ids must be integers, got {type(bad).__name__} "
+                                f"{bad!r:.40}")
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError("empty prompt")
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got "
+                            f"{type(prompt).__name__}")
         if not all(0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         return ids

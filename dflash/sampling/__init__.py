@@ -13,7 +13,8 @@ p / sum(p)) and the draft's race, so no value serves twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,32 +61,47 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str = ()
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+        if not (_is_number(self.temperature) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ParamError("temperature", f"temperature must be a finite number >= 0 "
                              f"(0 = greedy), got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ParamError("top_k", f"top_k must be an integer >= 0 (0 = disabled), "
                              f"got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ParamError("top_p", f"top_p must be in (0, 1] (1 = disabled), "
                              f"got {self.top_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ParamError("max_tokens", f"max_tokens must be an integer >= 1, "
                              f"got {self.max_tokens!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or \
+                not isinstance(self.stop_token_ids, Iterable):
+            raise ParamError("stop_token_ids", f"stop_token_ids must be a list of token ids, "
+                             f"got {self.stop_token_ids!r:.80}")
+        self.stop_token_ids = tuple(self.stop_token_ids)   # once: it may be an iterator
         bad = [t for t in self.stop_token_ids if not _is_int(t) or t < 0]
         if bad:
             raise ParamError("stop_token_ids", f"stop_token_ids must be non-negative integers, "
                              f"got {bad[0]!r}")
-        self.stop_token_ids = tuple(self.stop_token_ids)
+        if not isinstance(self.stop, (str, list, tuple)):
+            raise ParamError("stop", f"stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r:.80}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ParamError("stop", f"stop must be a string or a list of non-empty strings, "
-                             f"got {self.stop!r}")
+                             f"got {self.stop!r:.80}")
         self.stop = stop
+        if not isinstance(self.ignore_eos, bool):
+            raise ParamError("ignore_eos", f"ignore_eos must be True or False, "
+                             f"got {self.ignore_eos!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ParamError("seed", f"seed must be None or an integer in [0, 2**64), "
                              f"got {self.seed!r}")
+        # numpy scalars pass the checks; the engine keeps Python numbers
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.top_k, self.max_tokens = int(self.top_k), int(self.max_tokens)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.seed = None if self.seed is None else int(self.seed)
 
     @property
     def is_greedy(self) -> bool:
@@ -93,7 +109,11 @@ class SamplingParams:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def request_seed(params: SamplingParams) -> int:
