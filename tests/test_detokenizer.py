@@ -294,3 +294,22 @@ def test_held_back_text_and_no_tokens_after_a_stop():
     assert detok.take_delta() == "" and detok.text == "one\ntwo"
     with pytest.raises(RuntimeError):
         detok.add(5)
+
+
+@pytest.mark.parametrize("then_eos", [False, True])
+def test_a_stop_string_found_when_the_text_is_flushed_ends_the_request_as_a_stop(then_eos):
+    """SmolLM2's token 46673 is a space and the first two bytes of 'お': its text waits for the
+    third byte, so a stop string " " is found only when the request's end flushes it. The
+    request then reports that stop (it kept "length", or the EOS id, as its reason)."""
+    from dflash import SamplingParams, assets
+    from dflash.engine.request import Request
+    from dflash.models import load_tokenizer
+
+    tok = load_tokenizer(assets.smollm2_target())
+    (space_and_bytes,) = tok.encode(" お", add_special_tokens=False)[:1]
+    assert decode(tok, [space_and_bytes]) == " \ufffd"
+    params = SamplingParams(max_tokens=2 if then_eos else 1, stop=[" "])
+    request = Request(0, [1, 2], params, 0, frozenset({tok.eos_token_id}),
+                      IncrementalDetokenizer(tok, params.stop))
+    request.append([space_and_bytes] + ([tok.eos_token_id] if then_eos else []))
+    assert (request.detok.text, request.finish_reason, request.stop_reason) == ("", "stop", " ")

@@ -10,6 +10,7 @@ from dflash.engine.worker import prefill_passes
 from dflash.models.layers import PANEL_MAX_ROWS
 
 from helpers import (
+    CharTokenizer,
     hf_greedy,
     make_small_vocabulary,
     make_tiny_draft,
@@ -152,6 +153,23 @@ def test_stop_token_inside_accepted_block(models, baseline):
                                            {tuple(PROMPTS[3]): [B - 1]}, 96)
     out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=40, stop_token_ids=[stop]))[0]
     assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stop_string", [None, "never"])
+def test_a_stop_token_ends_the_ids_but_not_the_text(models, baseline, stop_string):
+    """As vLLM does by default: the stop token is the last id, and its text is not output (with
+    stop strings, which stream the text, and without)."""
+    target, draft, _ = models
+    ref = baseline.generate(PROMPTS[3], SamplingParams(max_tokens=40))[0].token_ids
+    stop = ref[13]
+    first = ref.index(stop)
+    tokenizer = CharTokenizer()
+    llm = LLM(target, draft, dtype="float32", tokenizer=tokenizer)
+    out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=40, stop_token_ids=[stop],
+                                                  stop=stop_string or ()))[0]
+    assert out.token_ids == ref[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == tokenizer.decode(ref[:first])
 
 
 def test_sampling_is_reproducible_with_a_seed(models):

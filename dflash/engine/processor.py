@@ -105,7 +105,9 @@ class Processor:
         return request
 
     def output(self, r: Request) -> RequestOutput:
+        # the text ends before a stop token (Request.append)
+        ids = r.output_ids[:-1] if r.stop_reason in r.stop_ids else r.output_ids
         text = r.detok.text if r.detok is not None else None if self.tokenizer is None else \
-            decode(self.tokenizer, r.output_ids)
+            decode(self.tokenizer, ids)
         return RequestOutput(r.request_id, r.prompt_ids, r.output_ids, text, r.finish_reason,
                              r.metrics, r.stop_reason, r.error)

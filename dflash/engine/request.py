@@ -102,10 +102,12 @@ class Request:
             self.metrics.first_token_time = time.perf_counter()
         for token in new_tokens:
             self.output_ids.append(token)
-            if self.detok is not None and self.detok.add(token):
-                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
-            elif token in self.stop_ids:
+            # a stop token ends the ids but not the text, as in vLLM (whose default,
+            # include_stop_str_in_output=False, is the server's only choice)
+            if token in self.stop_ids:
                 self.finish_reason, self.stop_reason = "stop", token
+            elif self.detok is not None and self.detok.add(token):
+                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
             elif len(self.output_ids) >= self.params.max_tokens:
                 self.finish_reason = "length"
             if self.finished:
@@ -119,4 +121,7 @@ class Request:
         self.finish_reason = reason
         if self.detok is not None and flush:
             self.detok.finish()
+            # the flushed characters completed a stop string: the text ends there
+            if self.detok.stop_reason is not None and reason in ("stop", "length"):
+                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
         self.metrics.finish_time = time.perf_counter()

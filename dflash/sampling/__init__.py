@@ -44,7 +44,8 @@ class SamplingParams:
     top_k: keep the k most likely tokens (ties at the k-th logit are all kept); 0 disables, and
     a k beyond the vocabulary keeps every token.
     top_p: keep the smallest most-likely set whose probability reaches top_p; 1 disables.
-    max_tokens: generation budget (new tokens). stop_token_ids: extra tokens that end the request.
+    max_tokens: generation budget (new tokens). stop_token_ids: extra tokens that end the request
+    (a stop token is the request's last id; its text is not output, as in vLLM).
     stop: strings that end the request when they appear in the output text (found across token
     boundaries and inside an accepted block; the text ends before the match, and the tokens after
     the one that completed it are dropped). Needs a tokenizer.
