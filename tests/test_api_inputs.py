@@ -57,6 +57,7 @@ def test_text_whose_ids_the_target_lacks_is_refused(models):
 @pytest.mark.parametrize("prompt, error, message", [
     ([5.9, 12.7], TypeError, "token ids must be integers, got float 5.9"),
     ([5, True], TypeError, "token ids must be integers, got bool True"),
+    ([5, None], TypeError, "token ids must be integers, got NoneType None"),
     ([["5", "12"]], TypeError, "token ids must be integers, got str '5'"),
     ([b"\x05\x0c"], TypeError, "must be a string or a list of token ids, got bytes"),
     (np.array([5, 12]), TypeError, "prompts must be a string, a list of token ids or a list "
@@ -91,6 +92,8 @@ def test_sampling_params_must_be_one_or_one_per_prompt(llm, reference):
         llm.generate(["hello", "hi"], [])
     with pytest.raises(TypeError, match="sampling_params must be SamplingParams .* got dict"):
         llm.generate("hello", {"max_tokens": 3})
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams .* NoneType"):
+        llm.generate(["hello", "hi"], [SamplingParams(), None])
     _serves_as_before(llm, reference)
 
 

@@ -120,11 +120,11 @@ class LLM:
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        bad = params if not isinstance(params, (list, tuple)) else \
-            next((sp for sp in params if not isinstance(sp, SamplingParams)), None)
-        if bad is not None:
+        bad = [params] if not isinstance(params, (list, tuple)) else \
+            [sp for sp in params if not isinstance(sp, SamplingParams)]
+        if bad:
             raise TypeError(f"sampling_params must be SamplingParams or a list of them, "
-                            f"got {type(bad).__name__}")
+                            f"got {type(bad[0]).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine, index = self.engine, {}

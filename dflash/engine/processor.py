@@ -55,12 +55,11 @@ class Processor:
             if not ids:
                 raise ValueError("empty prompt: the text encodes to no tokens")
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                       for t in prompt):
-                bad = next(t for t in prompt if not isinstance(t, numbers.Integral)
-                           or isinstance(t, bool))
-                raise TypeError(f"prompt token ids must be integers, got {type(bad).__name__} "
-                                f"{bad!r:.40}")
+            bad = [t for t in prompt if not isinstance(t, numbers.Integral)
+                   or isinstance(t, bool)]
+            if bad:
+                raise TypeError(f"prompt token ids must be integers, got "
+                                f"{type(bad[0]).__name__} {bad[0]!r:.40}")
             ids = [int(t) for t in prompt]
             if not ids:
                 raise ValueError("empty prompt")
