@@ -154,6 +154,62 @@ def test_any_token_sequence_streams_as_its_decode(toks, kind):
         assert "".join(deltas) == detok.text == decode(tok, ids), ids
 
 
+class CountingTokenizer:
+    """A tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def _byte_tokens(tok, values) -> list[int]:
+    """Ids of the byte-level tokens of single bytes `values` (GPT-2's byte-to-character map:
+    printable Latin-1 bytes stand for themselves, the others for 256 + their rank)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+    vocab = tok.get_vocab()
+    return [vocab[char[b]] for b in values]
+
+
+@pytest.mark.parametrize("run", ["stray bytes", "special tokens"])
+def test_a_long_run_without_a_character_costs_linear_decoding(toks, run):
+    """Text that completes no character for thousands of tokens (stray UTF-8 bytes, or special
+    tokens that decode to nothing) is decoded in windows of bounded length: the ids decoded
+    grow linearly with the output (they grew quadratically: 4000 stray bytes took 2 s), and
+    the text is still the full decode."""
+    tok = toks["byte-level-bpe"]
+    rng = random.Random(run)
+    filler = _byte_tokens(tok, range(0x80, 0xC0)) if run == "stray bytes" \
+        else [tok.eos_token_id]
+    word = tok.encode(" word", add_special_tokens=False)
+    ids = word + [rng.choice(filler) for _ in range(3000)] + word
+    counting = CountingTokenizer(tok)
+    detok, deltas, _ = _stream(counting, ids)
+    assert "".join(deltas) == detok.text == decode(tok, ids)
+    assert counting.decoded < 40 * len(ids)
+
+
+def test_long_runs_of_bytes_stream_as_their_decode(toks):
+    """Long random runs of single-byte tokens (whole characters, stray bytes, cut sequences)
+    between words and special tokens: the streamed text is the decode."""
+    tok, rng = toks["byte-level-bpe"], random.Random(2)
+    byte_ids = _byte_tokens(tok, range(0x80, 0x100))
+    words = [i for p, i in tok.get_vocab().items() if p.isalpha()]
+    whole = [tok.encode(c, add_special_tokens=False) for c in "é你🙂✓"]
+    for _ in range(40):
+        ids = []
+        for _ in range(rng.randrange(1, 6)):
+            for _ in range(rng.randrange(0, 40)):
+                ids += rng.choice(whole) if rng.random() < 0.2 else [rng.choice(byte_ids)]
+            ids += [rng.choice(words)] + [tok.eos_token_id] * rng.randrange(0, 12)
+        detok, deltas, _ = _stream(tok, ids)
+        assert "".join(deltas) == detok.text == decode(tok, ids), ids
+
+
 def test_byte_fallback_streams_valid_utf8_as_its_decode(toks):
     """Byte-fallback pieces mixed with the byte tokens of whole characters (a run that is not
     valid UTF-8 is the documented corner, not tested)."""

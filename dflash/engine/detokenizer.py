@@ -20,7 +20,9 @@ at once gives (one corner below):
 - While the decoded tail ends in U+FFFD (a multi-byte UTF-8 character or a byte-fallback sequence
   cut in the middle), nothing is emitted; the characters appear once the bytes that complete them
   arrive. `finish()` flushes what is left (a sequence that stays invalid decodes to U+FFFD, as it
-  does in the full decode).
+  does in the full decode). A run that completes no character for PENDING tokens (stray bytes,
+  skipped special tokens) has its text emitted up to a few tokens back, where it can no longer
+  change, so the decoded windows, and the cost of a token, stay bounded.
 - Stop strings are searched in the text after every token, so one that spans token boundaries,
   or completes in the middle of an accepted block, is found at the token that completes it. The
   text is cut before the match (vLLM's behaviour without `include_stop_str_in_output`). One
@@ -42,6 +44,9 @@ from __future__ import annotations
 import re
 
 REPLACEMENT = "\ufffd"
+PENDING = 8    # tokens without a complete character before the settled text is emitted
+SETTLED = 4    # tokens kept back when it is: a character's bytes span at most 4
+
 
 def decode(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> str:
     """The text of `ids` as dflash reports it: `tokenizer.decode` without special tokens (by
@@ -76,10 +81,30 @@ class IncrementalDetokenizer:
         self.ids.append(token)
         before = self._decode(self.ids[self._prefix:self._read])
         after = self._decode(self.ids[self._prefix:])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return False   # no complete character yet
-        self._prefix, self._read = self._read, len(self.ids)
-        return self._append(after[len(before):])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            self._prefix, self._read = self._read, len(self.ids)
+            return self._append(after[len(before):])
+        if (len(self.ids) - self._read) % PENDING == 0:
+            return self._settle(before, after)
+        return False   # no complete character yet
+
+    def _settle(self, before: str, after: str) -> bool:
+        """Emit the text of all but the last SETTLED tokens once it can no longer change, so a
+        long run that completes no character (stray bytes, skipped special tokens) is decoded
+        in windows of bounded length, not from its start at every token. Only the last
+        character, when it is a U+FFFD, may still become another one (its bytes may still
+        arrive; it spans at most 3 tokens that hold a byte), and a text that already reads
+        the same with SETTLED more tokens does not depend on them. Of SETTLED cuts in a row one
+        falls between characters; where none is found (a byte-fallback run that a stray byte
+        turned invalid, see above), the next try is PENDING tokens later."""
+        stable = after[:-1] if after.endswith(REPLACEMENT) else after
+        last = len(self.ids) - SETTLED
+        for end in range(last, max(self._read, last - SETTLED), -1):
+            text = self._decode(self.ids[self._prefix:end])
+            if text.startswith(before) and stable.startswith(text):
+                self._prefix, self._read = self._read, end
+                return self._append(text[len(before):])
+        return False
 
     def _append(self, new: str) -> bool:
         start = max(0, len(self.text) - self._hold)
