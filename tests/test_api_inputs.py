@@ -150,6 +150,46 @@ def test_sampling_params_take_iterators_and_numpy_scalars():
     assert all(type(x) in (int, float) for x in (sp.seed, sp.max_tokens, sp.temperature))
 
 
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -1.0), ("max_tokens", 0), ("top_k", -3), ("top_p", 0.0), ("stop", None),
+    ("stop_token_ids", [-1]), ("seed", -1)])
+def test_sampling_params_changed_after_construction_are_checked_again(llm, reference, field,
+                                                                     value):
+    # each ran as if valid: max_tokens 0 gave one token, temperature -1 greedy output
+    params = SamplingParams(max_tokens=12)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=f"^{field} must") as e:
+        llm.generate("hello", params)
+    assert e.value.param == field
+    _serves_as_before(llm, reference)
+
+
+def test_a_request_keeps_the_sampling_params_it_was_added_with(llm, reference):
+    params = SamplingParams(max_tokens=12)
+    request_id = llm.engine.add_request("hello", params)
+    params.max_tokens, params.stop = 2, ("a", "b")   # the caller's object, not the request's
+    outputs = []
+    while llm.engine.has_unfinished():
+        outputs += [out.output for out in llm.engine.step() if out.finished]
+    assert [(o.request_id, o.token_ids) for o in outputs] == \
+        [(request_id, reference[0].token_ids)]
+    with pytest.raises(TypeError, match="SamplingParams, got dict"):
+        llm.engine.add_request("hello", {"max_tokens": 2})
+    _serves_as_before(llm, reference)
+
+
+def test_generate_refuses_an_engine_that_runs_other_requests(llm, reference):
+    # it ran them and then raised KeyError on their outputs, which were lost
+    request_id = llm.engine.add_request("hello", SamplingParams(max_tokens=12))
+    with pytest.raises(RuntimeError, match=r"llm.engine are unfinished \(1 waiting, 0 running"):
+        llm.generate("hi", SamplingParams(max_tokens=4))
+    assert llm.engine.num_waiting == 1
+    assert llm.engine.abort(request_id)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    _serves_as_before(llm, reference)
+
+
 def test_generate_checks_its_sampling_flags_before_loading_anything(monkeypatch, capsys):
     import dflash.engine
 

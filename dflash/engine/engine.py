@@ -94,7 +94,8 @@ class LLMEngine:
         the text incrementally (`StepOutput.text` deltas); stop strings imply it.
         `on_tokens(new_token_ids)` is called as its tokens are committed. Raises ValueError for
         a request that can never run (too long, bad token ids)."""
-        r = self.processor.request(prompt, params or SamplingParams(), detokenize=detokenize)
+        r = self.processor.request(prompt, SamplingParams() if params is None else params,
+                                   detokenize=detokenize)
         if arrival_time is not None:
             r.metrics.arrival_time = arrival_time
         self.waiting.append(r)

@@ -110,6 +110,7 @@ class LLM:
         """Generate for every prompt (a string, or a list of token ids); outputs in prompt order.
 
         `on_tokens(request_index, new_token_ids)` is called as tokens are committed (streaming).
+        The engine must have no unfinished requests of its own (added through `engine`).
         """
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and
                                         isinstance(prompts[0], numbers.Number)):
@@ -128,6 +129,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         engine, index = self.engine, {}
+        if engine.has_unfinished():   # their outputs would be someone else's to collect
+            raise RuntimeError(f"LLM.generate needs the engine to itself: requests added "
+                               f"through llm.engine are unfinished ({engine.num_waiting} "
+                               f"waiting, {engine.num_running} running); step or abort them")
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         progress = _progress(len(prompts)) if use_tqdm else None
         arrival = time.perf_counter()

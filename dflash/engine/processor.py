@@ -3,6 +3,7 @@ a finished `Request` to its `RequestOutput`."""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 from .. import sampling
@@ -93,6 +94,12 @@ class Processor:
     def request(self, prompt, params: SamplingParams, detokenize: bool = False) -> Request:
         """A new request for `prompt`, admitted (see `admit`); `detokenize` keeps its text
         incrementally (stop strings imply it)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got "
+                            f"{type(params).__name__}")
+        # a copy, checked again: fields set since construction, and later changes the caller
+        # makes to its object, would otherwise reach the request unchecked
+        params = dataclasses.replace(params)
         ids = self.encode(prompt)
         self.admit(ids, params)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
