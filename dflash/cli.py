@@ -22,15 +22,16 @@ def _at_least(least: int):
     return parse
 
 
-def _seconds(zero: bool = False):
-    """An argparse type: a finite number of seconds > 0 (>= 0 with `zero`)."""
+def _finite(unit: str = "", zero: bool = False):
+    """An argparse type: a finite number (of `unit`) > 0 (>= 0 with `zero`)."""
     def parse(text: str) -> float:
         value = float(text)
         if not (0 <= value if zero else 0 < value) or value == float("inf"):
             raise argparse.ArgumentTypeError(
-                f"must be a finite number of seconds {'>=' if zero else '>'} 0, got {text}")
+                f"must be a finite number{f' of {unit}' if unit else ''} "
+                f"{'>=' if zero else '>'} 0, got {text}")
         return value
-    parse.__name__ = "seconds"
+    parse.__name__ = unit or "number"
     return parse
 
 
@@ -105,11 +106,8 @@ DTYPE_HELP = ("auto (default): the dtype the host's measured costs say decodes f
               "explicit dtype is always used")
 
 
-def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True,
-                    quantization: str | None = None) -> None:
-    """--dtype, --quantization (default `quantization`; "auto" adds that choice),
-    --draft-quantization, --recalibrate, and for DFlash engines --speculation."""
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+def add_quantization_arg(p: argparse.ArgumentParser, quantization: str | None = None) -> None:
+    """--quantization (default `quantization`; "auto" adds that choice)."""
     p.add_argument("--quantization", default=quantization,
                    choices=QUANTIZATION_CHOICES + (["auto"] if quantization == "auto" else []),
                    help="quantize the target's linear weights on load, per 32 inputs: int8 "
@@ -117,6 +115,14 @@ def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True,
                             "; auto (default): the bundled target's shipped Q4_1 weights or "
                             "their rounding to the dtype, whichever is expected to decode "
                             "faster" if quantization == "auto" else "; default: none"))
+
+
+def add_engine_args(p: argparse.ArgumentParser, speculation: bool = True,
+                    quantization: str | None = None) -> None:
+    """--dtype, --quantization (default `quantization`; "auto" adds that choice),
+    --draft-quantization, --recalibrate, and for DFlash engines --speculation."""
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    add_quantization_arg(p, quantization)
     p.add_argument("--draft-quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="quantize the draft's block weights on load the same way (it only "
                         "proposes: its speed and acceptance move, never the output); "
@@ -321,37 +327,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--prompts", required=True, help="JSONL with a question/prompt/text field")
     p.add_argument("--out", required=True, help="output directory (answers, checkpoint, draft/)")
-    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--num-prompts", type=_at_least(1), default=None)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="the target's dtype for answers and features (match deployment); "
                         + DTYPE_HELP)
+    add_quantization_arg(p)
     p.add_argument("--recalibrate", action="store_true",
                    help="with --dtype auto: measure the target's costs again")
-    p.add_argument("--gen-batch", type=int, default=32, help="sequences decoded together")
-    p.add_argument("--number-variants", type=int, default=0,
+    p.add_argument("--gen-batch", type=_at_least(1), default=32,
+                   help="sequences decoded together")
+    p.add_argument("--number-variants", type=_at_least(0), default=0,
                    help="also answer N copies of each prompt with its numbers re-drawn")
-    p.add_argument("--max-answer-tokens", type=int, default=384)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-answer-tokens", type=_at_least(1), default=384)
+    p.add_argument("--max-model-len", type=_at_least(2), default=1024)
     p.add_argument("--only-data", action="store_true", help="stop after generating answers")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--mask-token-id", type=int, default=0)
+    p.add_argument("--layers", type=_at_least(1), default=2)
+    p.add_argument("--intermediate-size", type=_at_least(1), default=None)
+    p.add_argument("--block-size", type=_at_least(2), default=16)
+    p.add_argument("--mask-token-id", type=_at_least(0), default=0)
     p.add_argument("--target-layer-ids", default=None, help="comma list; default: docs/design.md 2")
-    p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--seqs-per-step", type=int, default=4)
-    p.add_argument("--anchors-per-seq", type=int, default=32)
+    p.add_argument("--steps", type=_at_least(1), default=4000)
+    p.add_argument("--lr", type=_finite(), default=6e-4)
+    p.add_argument("--seqs-per-step", type=_at_least(1), default=4)
+    p.add_argument("--anchors-per-seq", type=_at_least(1), default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--draft-vocab-size", type=int, default=0,
+    p.add_argument("--draft-vocab-size", type=_at_least(0), default=0,
                    help="> 0: the draft proposes only the N most frequent answer tokens "
                         "(with --init-from: the source's if it has N, else this run's)")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop (resumably) after this")
+    p.add_argument("--max-minutes", type=_finite("minutes"), default=None,
+                   help="stop (resumably) after this")
     p.add_argument("--init-from", default=None,
                    help="start from an exported draft's weights (when OUT has no checkpoint)")
     p.add_argument("--init-from-target-layers", default=None,
                    help="comma list: start draft layer i from target layer i of the list")
-    p.add_argument("--eval-every", type=int, default=250, help="steps between held-out tau")
+    p.add_argument("--eval-every", type=_at_least(1), default=250,
+                   help="steps between held-out tau")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="run the target on each batch instead of caching its features on "
                         "disk (3.4 KB per token for the bundled pair)")
@@ -409,16 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "localhost (against DNS rebinding); '*' allows any")
     p.add_argument("--max-request-bytes", type=_at_least(1), default=4 * 2**20,
                    help="larger request bodies get 413 (default 4 MiB)")
-    p.add_argument("--stream-timeout", type=_seconds(), default=30.0,
+    p.add_argument("--stream-timeout", type=_finite("seconds"), default=30.0,
                    help="seconds a stream may wait for a client that does not read before the "
                         "request is aborted and the connection closed (default 30)")
-    p.add_argument("--body-timeout", type=_seconds(), default=30.0,
+    p.add_argument("--body-timeout", type=_finite("seconds"), default=30.0,
                    help="seconds a request's body may take to arrive; a slower one gets 408 and "
                         "its connection is closed (default 30)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests supply their own chat template (rendered with the "
                         "server's resources: trusted clients only)")
-    p.add_argument("--grace-period", type=_seconds(zero=True), default=10.0,
+    p.add_argument("--grace-period", type=_finite("seconds", zero=True), default=10.0,
                    help="seconds SIGTERM / Ctrl-C lets running requests finish before they "
                         "are aborted")
     p.add_argument("--log-level", default="warning",

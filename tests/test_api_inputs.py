@@ -1,6 +1,7 @@
 """The Python API and the command line facing bad arguments: each is refused with an error that
 names it, before anything runs, and the engine serves the next request as a fresh one does."""
 
+import json
 import re
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 
 from dflash import LLM, SamplingParams, cli
 
-from helpers import CharTokenizer, make_tiny_pair
+from helpers import CharTokenizer, make_tiny_pair, make_tiny_target, save_byte_tokenizer
 
 B = 8
 
@@ -202,6 +203,9 @@ def test_generate_checks_its_sampling_flags_before_loading_anything(monkeypatch,
     assert "No such file or directory" in capsys.readouterr().err
 
 
+TRAIN = ["train", "--prompts", "questions.jsonl", "--out", "runs/x"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--stream-timeout", "-1"], "--stream-timeout: must be a finite number of "
                                           "seconds > 0, got -1"),
@@ -215,6 +219,16 @@ def test_generate_checks_its_sampling_flags_before_loading_anything(monkeypatch,
                                                           ">= 1, got 0"),
     (["bench", "--dataset", "x", "--num-prompts", "-1"], "--num-prompts: must be an integer"),
     (["generate", "--max-num-seqs", "0", "hi"], "--max-num-seqs: must be an integer >= 1"),
+    (TRAIN + ["--num-prompts", "-1"], "--num-prompts: must be an integer >= 1, got -1"),
+    (TRAIN + ["--gen-batch", "0"], "--gen-batch: must be an integer >= 1"),
+    (TRAIN + ["--max-answer-tokens", "0"], "--max-answer-tokens: must be an integer >= 1"),
+    (TRAIN + ["--number-variants", "-2"], "--number-variants: must be an integer >= 0"),
+    (TRAIN + ["--layers", "0"], "--layers: must be an integer >= 1"),
+    (TRAIN + ["--block-size", "1"], "--block-size: must be an integer >= 2"),
+    (TRAIN + ["--steps", "0"], "--steps: must be an integer >= 1"),
+    (TRAIN + ["--lr", "nan"], "--lr: must be a finite number > 0, got nan"),
+    (TRAIN + ["--max-minutes", "-5"], "--max-minutes: must be a finite number of minutes > 0"),
+    (TRAIN + ["--eval-every", "0"], "--eval-every: must be an integer >= 1"),
 ])
 def test_command_line_values_are_checked_as_they_are_parsed(argv, message, capsys):
     # a negative --stream-timeout used to give every stream a 500; --concurrency 0 failed a
@@ -223,3 +237,25 @@ def test_command_line_values_are_checked_as_they_are_parsed(argv, message, capsy
         cli.build_parser().parse_args(argv)
     assert e.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_train_answers_with_the_target_and_weights_it_is_given(tmp_path):
+    # `dflash train` failed on an attribute its parser never defined (--quantization)
+    target = tmp_path / "target"
+    tok = save_byte_tokenizer(target)
+    make_tiny_target(target, vocab_size=len(tok), num_hidden_layers=2)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(f'{{"question": "What is {a} + {a}?"}}\n' for a in (2, 7)))
+    out = tmp_path / "run"
+    assert cli.main(["train", "--target", str(target), "--prompts", str(questions),
+                     "--out", str(out), "--only-data", "--dtype", "float32",
+                     "--quantization", "int8", "--max-answer-tokens", "6"]) == 0
+    rows = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    llm = LLM(target, dtype="float32", quantization="int8")
+    expected = llm.generate([llm.chat_prompt(f"What is {a} + {a}?") for a in (2, 7)],
+                            SamplingParams(max_tokens=6))
+    unquantized = LLM(target, dtype="float32").generate(
+        [o.prompt_token_ids for o in expected], SamplingParams(max_tokens=6))
+    assert [o.token_ids for o in unquantized] != [o.token_ids for o in expected]
+    assert [(r["prompt_ids"], r["answer_ids"]) for r in sorted(rows, key=lambda r: r["index"])] \
+        == [(o.prompt_token_ids, o.token_ids) for o in expected]
