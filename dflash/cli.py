@@ -277,14 +277,22 @@ def _serve(args: argparse.Namespace) -> int:
         if engine.tokenizer is None:
             print("dflash serve: the target has no tokenizer", file=sys.stderr)
             return 2
-        return Server(engine, args.served_model_name or _target_name(args.target),
-                      host=args.host, port=args.port, grace_period=args.grace_period,
-                      root=str(target),
-                      log_level=args.log_level, api_key=args.api_key, max_queue=args.max_queue,
-                      max_request_bytes=args.max_request_bytes,
-                      stream_timeout=args.stream_timeout, body_timeout=args.body_timeout,
-                      trust_request_chat_template=args.trust_request_chat_template,
-                      allowed_hosts=tuple(args.allowed_hosts)).run()
+        server = Server(engine, args.served_model_name or _target_name(args.target),
+                        host=args.host, port=args.port, grace_period=args.grace_period,
+                        root=str(target),
+                        log_level=args.log_level, api_key=args.api_key,
+                        max_queue=args.max_queue, max_request_bytes=args.max_request_bytes,
+                        stream_timeout=args.stream_timeout, body_timeout=args.body_timeout,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        allowed_hosts=tuple(args.allowed_hosts))
+        status = server.run()
+        if server.stepping:
+            # every request has its answer, but the engine thread is still in a step: the
+            # interpreter's exit would tear torch down under it (std::terminate, SIGABRT)
+            engine.close(kill=True)
+            sys.stderr.flush()
+            os._exit(status)
+        return status
     finally:
         engine.close()
 

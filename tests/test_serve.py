@@ -538,45 +538,64 @@ def test_a_full_queue_is_503_with_retry_after(pair):
 
 # ------------------------------------------------------------------------------- shutdown
 
-def test_sigterm_lets_running_requests_finish_and_exits_0(pair, tmp_path):
-    grace = 4.0
+def _serve_process(pair, tmp_path, *options, setup: str = ""):
+    """`dflash serve` of the tiny pair in a subprocess, after the Python code `setup`:
+    (process, its URL, its stderr lines, which a thread keeps reading)."""
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, DFLASH_CACHE=str(tmp_path),
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    main = f"{setup}\nimport sys\nfrom dflash import cli\nsys.exit(cli.main(sys.argv[1:]))"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash.cli", "serve", "--target", str(pair[0]), "--draft",
-         str(pair[1]), "--dtype", "float32", "--speculation", "fixed", "--port", "0",
-         "--grace-period", str(grace), "--max-num-seqs", "4"],
+        [sys.executable, "-c", main, "serve", "--target", str(pair[0]), "--draft",
+         str(pair[1]), "--dtype", "float32", "--speculation", "fixed", "--port", "0", *options],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path)
+    url, log = None, []
+    deadline = time.time() + 120
+    while url is None and time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        log.append(line)
+        if line.startswith("dflash serve:") and " on http://" in line:
+            url = line.split(" on ")[1].split()[0]
+    if url is None:
+        proc.kill()
+        proc.wait()
+        pytest.fail("the server did not start: " + "".join(log))
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    return proc, url, log
+
+
+def _stream_lines(url, body, started=None) -> list[str]:
+    """The status and non-empty lines of a streamed completion (or the transport error),
+    releasing `started` at the first."""
+    lines = []
     try:
-        url, log = None, []
-        deadline = time.time() + 120
-        while url is None and time.time() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            log.append(line)
-            if line.startswith("dflash serve:") and " on http://" in line:
-                url = line.split(" on ")[1].split()[0]
-        assert url is not None, "".join(log)
-        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json=dict(body, stream=True)) as r:
+            lines.append(r.status_code)
+            for line in r.iter_lines():
+                if line:
+                    if len(lines) == 1 and started is not None:
+                        started.release()
+                    lines.append(line)
+    except httpx.HTTPError as e:
+        lines.append(f"error: {e!r}")
+    return lines
+
+
+def test_sigterm_lets_running_requests_finish_and_exits_0(pair, tmp_path):
+    grace = 4.0
+    proc, url, log = _serve_process(pair, tmp_path, "--grace-period", str(grace),
+                                    "--max-num-seqs", "4")
+    try:
         streams = {}
         started = threading.Semaphore(0)
 
         def stream(i, max_tokens):
-            lines = []
-            try:
-                with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                        "prompt": f"in flight {i}", "max_tokens": max_tokens, "temperature": 0,
-                        "ignore_eos": True, "stream": True}) as r:
-                    for line in r.iter_lines():
-                        if line:
-                            if not lines:
-                                started.release()
-                            lines.append(line)
-            except httpx.HTTPError as e:
-                lines.append(f"error: {e}")
-            streams[i] = lines
+            streams[i] = _stream_lines(url, {"prompt": f"in flight {i}", "temperature": 0,
+                                             "max_tokens": max_tokens, "ignore_eos": True},
+                                       started)
 
         threads = [threading.Thread(target=stream, args=(i, 60)) for i in range(3)]
         for t in threads:
@@ -592,13 +611,169 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(pair, tmp_path):
         assert code == 0, "".join(log)
         assert took < grace + 5
         for i in range(3):   # they finished within the grace period
-            assert streams[i][-1] == "data: [DONE]", streams[i][-3:]
+            assert streams[i][0] == 200 and streams[i][-1] == "data: [DONE]", streams[i][-3:]
+            assert "error" not in streams[i][-2]
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_requests_left_at_the_end_of_the_grace_period_get_503s_and_whole_streams(pair,
+                                                                                tmp_path):
+    # uvicorn cancelled them at its deadline: a plain-text 500 (no JSON, no Retry-After), a
+    # stream cut mid-body without an error or [DONE], and a CancelledError traceback apiece
+    proc, url, log = _serve_process(pair, tmp_path, "--grace-period", "0.5",
+                                    "--max-num-seqs", "1")
+    try:
+        body = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+        results, started = {}, threading.Semaphore(0)
+
+        def plain(i):
+            try:
+                r = httpx.post(url + "/v1/completions", timeout=60,
+                               json=dict(body, prompt=f"plain {i}"))
+                results[i] = (r.status_code, r.headers.get("content-type"), r.text)
+            except httpx.HTTPError as e:
+                results[i] = (None, None, repr(e))
+
+        def stream(i):
+            results[i] = _stream_lines(url, dict(body, prompt=f"stream {i}"), started)
+
+        threads = [threading.Thread(target=stream, args=(0,))]
+        threads[0].start()
+        assert started.acquire(timeout=60)   # the one running request
+        threads += [threading.Thread(target=f, args=(i,))
+                    for i, f in enumerate([plain, stream, plain], start=1)]
+        for t in threads[1:]:
+            t.start()
+        deadline = time.time() + 30   # the others wait in the queue
+        while time.time() < deadline and \
+                _metric_text(url, "vllm:num_requests_waiting") < 3:
+            time.sleep(0.02)
+        assert _metric_text(url, "vllm:num_requests_waiting") == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, "".join(log)
+        for t in threads:
+            t.join(30)
+        # the running stream ends with an error event; the queued one never started: a 503
+        status, *lines = results[0]
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert (error["code"], error["message"]) == (503, "the server is shutting down")
+        assert results[2][0] == 503, results[2]
+        assert json.loads(results[2][1])["error"]["message"] == "the server is shutting down"
+        for i in (1, 3):
+            status, kind, text = results[i]
+            assert (status, kind) == (503, "application/json"), results[i]
+            assert json.loads(text)["error"]["message"] == "the server is shutting down"
+        assert "Traceback" not in "".join(log) and "cancelled" not in "".join(log).lower()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_fresh_server_reports_its_whole_cache_free(pair):
+    # the gauge was set after the engine thread's first command: 0 free blocks until then
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=2, speculation="fixed")
+    with Server(llm, NAME, port=0) as server:
+        deadline = time.time() + 10
+        while _metric_text(server.url, "dflash:kv_cache_free_blocks") == 0 and \
+                time.time() < deadline:
+            time.sleep(0.05)
+        assert _metric_text(server.url, "dflash:kv_cache_free_blocks") == \
+            llm.allocator.num_blocks > 0
+        assert _metric_text(server.url, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_shutdown_does_not_wait_for_a_long_step_past_the_grace_period(pair):
+    # the engine thread read its stop only once the step (a long prefill) ended: the server
+    # stopped after the step, however long, and that step's request got uvicorn's bare 500
+    llm = serving_engine(*pair, dtype="float32", max_num_seqs=2, speculation="fixed")
+    server = Server(llm, NAME, port=0, grace_period=0.5).start()
+    in_step, release = threading.Event(), threading.Event()
+    prefill = llm.worker.prefill
+
+    def slow_prefill(requests):   # a prefill that takes until the test releases it
+        if any(r.prompt_ids[:len(MAGIC)] == MAGIC for r in requests):
+            in_step.set()
+            release.wait(60)
+        return prefill(requests)
+
+    llm.worker.prefill = slow_prefill
+    result = {}
+
+    def request():
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"prompt": MAGIC, "max_tokens": 4})
+        result["response"] = (r.status_code, r.json()["error"]["message"])
+
+    thread = threading.Thread(target=request)
+    try:
+        thread.start()
+        assert in_step.wait(30)
+        start = time.time()
+        server.stop()
+        took = time.time() - start
+        thread.join(30)
+        assert took < 0.5 + 2 * 2.0 + 1.5, took   # grace, then FLUSH for the answers and step
+        assert result["response"] == (503, "the server is shutting down")
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_a_server_stopped_during_a_long_step_exits_0_at_once(pair, tmp_path):
+    # it waited for the step to end, then the interpreter's exit under the still running
+    # engine thread ended the process with SIGABRT (std::terminate)
+    slow = f"""
+import time, torch
+from dflash.engine.worker import Worker
+prefill = Worker.prefill
+def slow(self, requests):   # a minute of torch ops, as a long prompt's prefill would run
+    if any(r.prompt_ids[:{len(MAGIC)}] == {MAGIC} for r in requests):
+        x, end = torch.ones(256, 256), time.time() + 60
+        while time.time() < end:
+            x = torch.tanh(x @ x)
+    return prefill(self, requests)
+Worker.prefill = slow
+"""
+    proc, url, log = _serve_process(pair, tmp_path, "--grace-period", "0.5", setup=slow)
+    try:
+        result = {}
+
+        def request():
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"prompt": MAGIC, "max_tokens": 4})
+            result["response"] = (r.status_code, r.json()["error"]["message"])
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        deadline = time.time() + 30   # queued (the gauge stays so until the step ends)
+        while _metric_text(url, "vllm:num_requests_waiting") == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)   # inside the step
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, "".join(log)
+        assert time.time() - start < 0.5 + 2 * 2.0 + 2.0
+        thread.join(30)
+        assert result["response"] == (503, "the server is shutting down")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _metric_text(url, name) -> float:
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
 
 
 # --------------------------------------------------------------------- the real bundled pair

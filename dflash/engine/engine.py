@@ -355,7 +355,8 @@ class LLMEngine:
     def reset_metrics(self) -> None:
         self.stats = Stats(self.block_size)
 
-    def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do without tensor parallelism)."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the tensor-parallel ranks, politely unless `kill` (nothing to do without
+        tensor parallelism)."""
         if self.group is not None:
-            self.group.close()
+            self.group.close(kill)

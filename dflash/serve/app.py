@@ -31,6 +31,9 @@ from .runner import EngineThread
 from .security import ApiKeyMiddleware, BodyLimitMiddleware, HostMiddleware
 from .serving import Options
 
+# seconds after the grace period for the answers to the requests still held to be sent (then
+# uvicorn cancels what is left), and for the engine thread's running step to end
+FLUSH = 2.0
 
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
@@ -81,7 +84,9 @@ def build_app(state: ServerState) -> FastAPI:
             state.engine.start()
         yield
         state.draining = True
-        await asyncio.get_running_loop().run_in_executor(None, state.engine.stop)
+        # a step that runs on past this (a long prefill) is not waited for: the thread is a
+        # daemon, and every request has had its answer
+        await asyncio.get_running_loop().run_in_executor(None, state.engine.stop, FLUSH)
         state.executor.shutdown(wait=False, cancel_futures=True)
 
     # no /docs, /redoc or /openapi.json: they would be open to anyone who can connect
@@ -179,16 +184,27 @@ def build_app(state: ServerState) -> FastAPI:
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn with a graceful stop on SIGTERM / SIGINT that exits 0 (uvicorn re-raises the
-    signal after its shutdown by default, which would end the process with 128 + signal)."""
+    signal after its shutdown by default, which would end the process with 128 + signal).
+    When the grace period ends, `on_deadline()` answers the requests still held; uvicorn's own
+    deadline (its config's, FLUSH seconds later) would cancel their handlers mid-response."""
 
-    def __init__(self, config, on_exit):
+    def __init__(self, config, grace_period: float, on_exit, on_deadline):
         super().__init__(config)
-        self._on_exit = on_exit
+        self._grace_period = grace_period
+        self._on_exit, self._on_deadline = on_exit, on_deadline
 
     def handle_exit(self, sig, frame):
         self._on_exit()
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+
+    async def shutdown(self, sockets=None):
+        self._on_exit()
+        timer = asyncio.get_running_loop().call_later(self._grace_period, self._on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 class Server:
@@ -212,8 +228,8 @@ class Server:
         self.socket = socket.create_server((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=log_level,
-                                timeout_graceful_shutdown=grace_period, lifespan="on")
-        self.uvicorn = _Uvicorn(config, self._draining)
+                                timeout_graceful_shutdown=grace_period + FLUSH, lifespan="on")
+        self.uvicorn = _Uvicorn(config, grace_period, self._draining, self.state.end_all)
         self._thread: threading.Thread | None = None
 
     @property
@@ -225,6 +241,12 @@ class Server:
 
     def _engine_failed(self) -> None:
         self.uvicorn.should_exit = True
+
+    @property
+    def stepping(self) -> bool:
+        """True while the engine thread is still in a step (a long prefill) after the server
+        stopped; every request has had its answer by then."""
+        return self.state.engine.running()
 
     @property
     def failed(self) -> bool:

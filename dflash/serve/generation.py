@@ -18,7 +18,7 @@ from ..sampling import SamplingParams
 from . import protocol
 from .errors import ApiError, error_body, error_response
 from .metrics import ServerMetrics
-from .runner import EngineThread, Handle
+from .runner import EngineThread, Handle, ShuttingDown
 from .serving import Options
 
 logger = logging.getLogger("dflash.serve")
@@ -33,6 +33,7 @@ class ServerState:
     engine: EngineThread | None = None
     metrics: ServerMetrics | None = None
     in_flight: int = 0     # requests holding a slot: admitted, until the engine is done with them
+    handles: set[Handle] = field(default_factory=set)   # requests whose responses are not over
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     # encoding and template rendering, off the event loop
@@ -54,6 +55,13 @@ class ServerState:
 
     def release(self) -> None:
         self.in_flight -= 1
+
+    def end_all(self) -> None:
+        """End every request the server still holds with a 503 (the shutdown's grace period
+        is over): their handlers answer at once, whatever step the engine thread is in."""
+        for handle in list(self.handles):
+            handle.deliver(ShuttingDown())
+            self.engine.abort(handle)
 
 
 def _spec_info(metrics) -> protocol.SpeculativeInfo:
@@ -89,6 +97,7 @@ async def generate(state: ServerState, raw: Request, req, params: SamplingParams
         state.release()
         raise
     handle = Handle(loop, ids, params, on_release=state.release)
+    state.handles.add(handle)
     state.engine.submit(handle)
     request_id = protocol.random_id("chatcmpl" if chat else "cmpl")
     try:
@@ -119,6 +128,7 @@ def _close(state: ServerState, handle: Handle) -> None:
     if handle.closed:
         return
     handle.closed = True
+    state.handles.discard(handle)
     handle.release()
     if not handle.finished:
         state.engine.abort(handle)
@@ -126,10 +136,10 @@ def _close(state: ServerState, handle: Handle) -> None:
 def failure(event) -> Response:
     if isinstance(event, ValueError):
         return error_response(400, str(event))
+    if isinstance(event, ShuttingDown):
+        return error_response(503, str(event))
     message = str(event) if isinstance(event, Exception) else event.output.error
-    status = 503 if "shutting down" in message else 500
-    return error_response(status, f"the engine failed on this request: {message}"
-                          if status == 500 else message)
+    return error_response(500, f"the engine failed on this request: {message}")
 
 def _response(state: ServerState, output, request_id: str, chat: bool):
     spec = _spec_info(output.metrics) if state.llm.draft is not None else None
@@ -180,7 +190,8 @@ async def _stream(state: ServerState, handle: Handle, event, request_id: str, ch
         while True:
             if isinstance(event, Exception) or event.finish_reason == "error":
                 message = str(event) if isinstance(event, Exception) else event.output.error
-                yield f"data: {json.dumps(error_body(500, message))}\n\n"
+                status = 503 if isinstance(event, ShuttingDown) else 500
+                yield f"data: {json.dumps(error_body(status, message))}\n\n"
                 break
             if event.text:
                 yield chunk(event.text)

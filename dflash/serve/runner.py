@@ -18,6 +18,13 @@ from ..sampling import SamplingParams
 from .metrics import ServerMetrics
 
 
+class ShuttingDown(RuntimeError):
+    """What ends the requests the server still holds when it stops (a 503)."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down")
+
+
 class Handle:
     """One request's hand-over: created on the event loop, filled by the engine thread."""
 
@@ -80,6 +87,10 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    def running(self) -> bool:
+        """True while the thread runs: after `stop`, while it finishes the step it was in."""
+        return self._thread.is_alive()
+
     def submit(self, handle: Handle) -> None:
         self._commands.put(("add", handle))
 
@@ -94,6 +105,7 @@ class EngineThread:
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         try:
+            self._publish_load()   # before the first request: /metrics shows the free cache
             while True:
                 command = self._commands.get() if not self.engine.has_unfinished() else None
                 commands = [] if command is None else [command]
@@ -145,7 +157,7 @@ class EngineThread:
         self._stopping = True
         for request_id, handle in list(self._handles.items()):
             self.engine.abort(request_id)
-            handle.deliver(RuntimeError("the server is shutting down"))
+            handle.deliver(ShuttingDown())
         self._handles.clear()
         while self.engine.has_unfinished():   # report the aborts (nothing runs any more)
             self.engine.step()
