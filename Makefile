@@ -4,9 +4,9 @@ PIP = $(PYTHON) -m pip
 
 .PHONY: install demo test test-slow test-vllm lint
 
-# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+# torch first, pinned, its CPU build: a bare `torch` requirement would pull a multi-GB CUDA build.
 install:
-	$(PIP) install torch==2.13.0
+	tools/install-torch $(PYTHON)
 	$(PIP) install setuptools wheel ninja
 	$(PIP) install --no-build-isolation -e ".[test,bench,train,serve]"
 

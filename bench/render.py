@@ -342,12 +342,13 @@ def readme_table() -> str:
              _x(r["speedup"]), f"{r['tau']:.2f}", f"{r['identical']}/{r['prompts']}"]
             for r in data["rows"]]
     first = data["rows"][0]
-    prose = (f"`{bench_command(data, '')}`: the bundled pair, greedy, {first['prompts']} GSM8K "
+    prose = (f"The bundled pair, greedy, {first['prompts']} GSM8K "
              f"questions the draft never trained on, dtype and verify sizes chosen by the "
              f"engine. Host: {host_line(data['host'])}.")
     return "\n\n".join([
         BEGIN,
         textwrap.fill(prose, 100, break_long_words=False, break_on_hyphens=False),
+        f"```bash\n{HELD_OUT}\n{bench_command(data, '')}\n```",
         table(["concurrency", "DFlash tok/s", "target-only tok/s", "speedup", "tau",
                "texts equal to target-only"], rows),
         END])
