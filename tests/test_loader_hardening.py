@@ -1,8 +1,10 @@
 """Loaders facing hostile or oversized checkpoints: index shard names stay in
 the checkpoint directory (symlinked shards, as in the Hugging Face cache, still load), RoPE
 tables are sized by the served length, impossible config sizes are a ConfigError naming the
-field, and Llama-3 GGUF files load with their RoPE scaling. (A planted trainer checkpoint.pt:
-tests/test_trainer.py.)"""
+field, and Llama-3 GGUF files load with their RoPE scaling. Config fields and weights dflash would
+compute another model from (quantization, activations, sliding windows, non-float or surplus
+tensors, broken RoPE or MoE fields) are refused by name.
+(A planted trainer checkpoint.pt: tests/test_trainer.py.)"""
 
 import json
 import math
@@ -13,13 +15,18 @@ import pytest
 import torch
 
 from dflash import LLM
-from dflash.models import load_draft, load_target
+from dflash.models import load_draft, load_target, loader
 from dflash.models.config import ConfigError, DraftConfig, TargetConfig
 from dflash.models.layers import DEFAULT_ROPE_POSITIONS, rope_cos_sin
 from dflash.models.loader import CheckpointError
 from dflash.train import TrainConfig, Trainer
 
-from helpers import make_tiny_draft, make_tiny_target, sequence_metadata, write_llama_gguf
+from helpers import (
+    make_tiny_draft,
+    make_tiny_target,
+    sequence_metadata,
+    write_llama_gguf,
+)
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +197,198 @@ def test_an_engine_over_a_long_context_config_sizes_rope_by_max_model_len(tmp_pa
               speculation="fixed")
     assert llm.max_model_len == 300
     assert llm.target.cos_sin.shape[0] == 300 and llm.draft.cos_sin.shape[0] == 300
+
+
+# ------------------------------------------------------------ f. what dflash would compute wrong
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _rewrite(path: Path, change) -> None:
+    """Apply `change(tensors)` to path's model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def _set(name: str, convert):
+    return lambda tensors: tensors.__setitem__(name, convert(tensors[name]))
+
+
+def test_a_quantization_config_is_a_config_error_naming_it(pair, tmp_path):
+    """An FP8 checkpoint as Qwen ships it: its scales would be ignored."""
+    target = _copy(pair[0], tmp_path / "target")
+    (target / "config.json").write_text(json.dumps({**_target_cfg(pair), "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    with pytest.raises(ConfigError, match="quantization_config .quant_method 'fp8'"):
+        load_target(target, torch.float32)
+
+
+@pytest.mark.parametrize("name,convert,dtype", [
+    (Q, lambda w: (w * 100).to(torch.int32), "I32"),
+    ("model.embed_tokens.weight", lambda w: (w * 10).to(torch.int8), "I8"),
+    (Q, lambda w: w > 0, "BOOL"),
+    (Q, lambda w: w.to(torch.float8_e4m3fn), "F8_E4M3")])
+def test_non_float_weights_are_a_checkpoint_error_naming_tensor_and_dtype(pair, tmp_path, name,
+                                                                          convert, dtype):
+    target = _copy(pair[0], tmp_path / "target")
+    _rewrite(target, _set(name, convert))
+    with pytest.raises(CheckpointError, match=f"tensor {name!r} has dtype {dtype}"):
+        load_target(target, torch.float32)
+
+
+def test_a_draft_vocabulary_of_float_ids_is_a_checkpoint_error(pair, tmp_path):
+    draft = tmp_path / "draft"
+    make_tiny_draft(draft, pair[0])
+    _rewrite(draft, lambda t: t.update({"d2t": torch.zeros(4) + 0.7,
+                                        "lm_head.weight": torch.randn(4, 64)}))
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "draft_vocab_size": 4}))
+    with pytest.raises(CheckpointError, match="tensor 'd2t' has dtype F32"):
+        load_draft(draft, TargetConfig.from_hf(_target_cfg(pair)), torch.float32)
+
+
+@pytest.mark.parametrize("kind,overrides,pattern", [
+    ("llama", {"mlp_bias": True}, "mlp_bias=True"),
+    ("qwen2", {"attention_bias": True}, "attention_bias=True"),
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},
+     "layer_types has \\['sliding_attention'\\]"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},
+     "layer_types has \\['sliding_attention'\\]")])
+def test_unimplemented_fields_that_change_the_output_are_a_config_error(tmp_path, kind,
+                                                                        overrides, pattern):
+    """Configs as transformers writes them (it honours each field, so its outputs differ from
+    the model dflash would compute)."""
+    make_tiny_target(tmp_path, kind, **overrides)
+    with pytest.raises(ConfigError, match=pattern):
+        load_target(tmp_path, torch.float32)
+
+
+def test_a_target_sliding_window_without_layer_types_is_a_config_error(pair):
+    cfg = {**_target_cfg(pair), "use_sliding_window": True}
+    cfg.pop("layer_types", None)
+    with pytest.raises(ConfigError, match="use_sliding_window=True"):
+        TargetConfig.from_hf(cfg)
+
+
+def test_tensors_of_layers_beyond_the_config_are_a_checkpoint_error(pair, tmp_path):
+    target = _copy(pair[0], tmp_path / "target")
+    (target / "config.json").write_text(json.dumps(
+        {**_target_cfg(pair), "num_hidden_layers": 3, "layer_types": ["full_attention"] * 3}))
+    with pytest.raises(CheckpointError, match="tensor 'model.layers.3.* is of layer 3, but "
+                                              "the config has 3 layers"):
+        load_target(target, torch.float32)
+
+
+def test_gguf_blocks_beyond_block_count_are_a_checkpoint_error(tmp_path, monkeypatch):
+    import gguf
+
+    hf = make_tiny_target(tmp_path / "hf", "llama", rope_scaling=None)
+    write_block_count = gguf.GGUFWriter.add_block_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count",
+                        lambda writer, n: write_block_count(writer, n - 1))
+    write_llama_gguf(hf, tmp_path / "short.gguf")
+    with pytest.raises(CheckpointError, match="is of layer 3, but the config has 3 layers"):
+        load_target(tmp_path / "short.gguf", torch.float32)
+
+
+def test_gguf_integer_weights_are_a_checkpoint_error(tmp_path, monkeypatch):
+    import gguf
+
+    hf = make_tiny_target(tmp_path / "hf", "llama", rope_scaling=None)
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def as_int8(writer, name, w, *args, **kwargs):   # llama.cpp's I8 type: the values cast
+        add_tensor(writer, name, (w * 50).astype(np.int8) if name == "blk.0.attn_q.weight"
+                   else w, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", as_int8)
+    write_llama_gguf(hf, tmp_path / "int8.gguf")
+    with pytest.raises(CheckpointError, match="q_proj.weight' has dtype I8"):
+        load_target(tmp_path / "int8.gguf", torch.float32)
+
+
+def test_beside_model_safetensors_other_files_are_not_read(pair, tmp_path):
+    """As transformers: a leftover file next to model.safetensors is no part of the weights."""
+    from safetensors.torch import save_file
+
+    target = _copy(pair[0], tmp_path / "target")
+    save_file({Q: torch.zeros(64, 64)}, target / "zz-leftover.safetensors")
+    with_leftover = load_target(target, torch.float32, max_positions=64)
+    for p, q in zip(with_leftover.parameters(),
+                    load_target(pair[0], torch.float32, max_positions=64).parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_tensor_in_two_unindexed_shards_is_a_checkpoint_error_naming_both(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = _copy(pair[0], tmp_path / "target")
+    tensors = load_file(target / "model.safetensors")
+    (target / "model.safetensors").unlink()
+    save_file(tensors, target / "a.safetensors")
+    save_file({Q: torch.zeros(64, 64)}, target / "b.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor {Q!r} is in both a.safetensors and "
+                                              f"b.safetensors"):
+        load_target(target, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def moe_cfg(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe")
+    make_tiny_target(root, "qwen3_moe")   # 8 experts, top 2
+    return json.loads((root / "config.json").read_text())
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_experts_per_tok", None), ("num_experts_per_tok", 0), ("num_experts_per_tok", -1),
+    ("num_experts_per_tok", 9), ("num_experts", 10**9), ("num_experts", "8"),
+    ("moe_intermediate_size", None)])
+def test_bad_moe_fields_are_a_config_error_naming_the_field(moe_cfg, field, value):
+    cfg = {k: v for k, v in moe_cfg.items() if k != field}
+    with pytest.raises(ConfigError, match=field):
+        TargetConfig.from_hf(cfg if value is None else {**cfg, field: value})
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1e4}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": math.nan}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": math.inf}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}}, "rope_theta"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 0.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     "factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     "low_freq_factor 4.0 must be below high_freq_factor"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps"), ({"rms_norm_eps": "1e-6"}, "rms_norm_eps"),
+    ({"rms_norm_eps": math.nan}, "rms_norm_eps"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings")])
+def test_bad_rope_norm_and_tie_fields_are_a_config_error_naming_the_field(pair, change, field):
+    with pytest.raises(ConfigError, match=field):
+        TargetConfig.from_hf({**_target_cfg(pair), **change})
+
+
+def test_shapes_are_checked_before_a_model_or_its_rope_table_is_built(pair, tmp_path,
+                                                                      monkeypatch):
+    """A head_dim of 2**20 its tensors do not have would size a RoPE table of 32768 x 2**20."""
+    def build(*args, **kwargs):
+        raise AssertionError("a model was built before its tensors were checked")
+
+    monkeypatch.setattr(loader, "TargetModel", build)
+    monkeypatch.setattr(loader, "DFlashDraft", build)
+    target = _copy(pair[0], tmp_path / "target")
+    (target / "config.json").write_text(json.dumps({**_target_cfg(pair), "head_dim": 2**20}))
+    with pytest.raises(CheckpointError, match="q_proj.weight' has shape"):
+        load_target(target, torch.float32)
+    draft = _copy(pair[1], tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "head_dim": 2**20}))
+    with pytest.raises(CheckpointError, match="has shape"):
+        load_draft(draft, TargetConfig.from_hf(_target_cfg(pair)), torch.float32)
+

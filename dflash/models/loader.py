@@ -134,17 +134,8 @@ class SafetensorsCheckpoint:
     def __init__(self, directory: Path):
         from safetensors import safe_open
 
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            named = set(json.loads(index.read_text())["weight_map"].values())
-            for name in named:
-                _check_shard_name(name, index)
-            files = sorted(named)
-        else:
-            files = sorted(p.name for p in directory.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{directory} has no *.safetensors weights")
-        self._handles, self._where = [], {}
+        files, indexed = _safetensors_files(directory)
+        self._handles, self._where, owner = [], {}, {}
         for name in files:
             path = directory / name
             if not path.exists():
@@ -152,7 +143,19 @@ class SafetensorsCheckpoint:
             handle = safe_open(str(path), framework="pt")
             self._handles.append(handle)
             for key in handle.keys():
-                self._where[key] = handle
+                if key in owner and not indexed:
+                    # no index says which copy is meant (with one, the last shard's is taken,
+                    # as transformers does)
+                    raise CheckpointError(f"{directory}: tensor {key!r} is in both "
+                                          f"{owner[key]} and {name}")
+                self._where[key], owner[key] = handle, name
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype (F32, BF16, I8, F8_E4M3, ...)."""
+        return self._where[name].get_slice(name).get_dtype()
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -166,6 +169,22 @@ class SafetensorsCheckpoint:
     def lazy(self, name: str):
         """The tensor unread: slicing it reads only the slice."""
         return self._where[name].get_slice(name)
+
+
+def _safetensors_files(directory: Path) -> tuple[list[str], bool]:
+    """The weight files of a checkpoint directory, and whether an index lists them."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        named = set(json.loads(index.read_text())["weight_map"].values())
+        for name in named:
+            _check_shard_name(name, index)
+        return sorted(named), True
+    if (directory / "model.safetensors").exists():
+        return ["model.safetensors"], False   # as transformers: other files are not its weights
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} has no *.safetensors weights")
+    return files, False
 
 
 def _check_shard_name(name, index: Path) -> None:
@@ -200,6 +219,12 @@ class GGUFCheckpoint:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def dtype(self, name: str) -> str:
+        """F32 (`get` dequantizes every float or quantized type to it), or the GGML integer
+        type (I8, I16, I32, I64) of a tensor that holds no weights."""
+        kind = self._tensors[name][0].tensor_type.name
+        return kind if kind in GGML_INTEGER_TYPES else "F32"
+
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
@@ -217,25 +242,53 @@ class GGUFCheckpoint:
     lazy = get
 
 
+# the weight dtypes read as they are; anything else (integers, bools, FP8 without its scales)
+# would be cast to numbers that are not the model's
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8")   # of d2t (a float would be truncated)
+
+
+def check_tensor(ckpt, name: str, shape: tuple[int, ...], where: str,
+                 dtypes: tuple[str, ...] = FLOAT_DTYPES) -> None:
+    """`name` is in `ckpt` with this shape and one of `dtypes`."""
+    if name not in ckpt:
+        raise CheckpointError(f"{where} is missing tensor {name!r}")
+    if ckpt.shape(name) != shape:
+        raise CheckpointError(f"{where}: tensor {name!r} has shape {list(ckpt.shape(name))}, "
+                              f"expected {list(shape)}")
+    if ckpt.dtype(name) not in dtypes:
+        raise CheckpointError(f"{where}: tensor {name!r} has dtype {ckpt.dtype(name)}, "
+                              f"expected {' or '.join(dtypes)}")
+
+
+def check_sources(recipe: dict[str, Source], ckpt, where: str, layer_prefix: str,
+                  num_layers: int) -> None:
+    """Every tensor of `recipe` is in `ckpt` with its shape and a float dtype, and `ckpt` holds
+    no layer `layer_prefix`N.* with N >= num_layers (config and weights would disagree on the
+    model). Checked on metadata alone, before a model or its RoPE table is built."""
+    for src in recipe.values():
+        for name, shape in src.tensors:
+            check_tensor(ckpt, name, shape, where)
+    for name in ckpt.names():
+        layer = name.removeprefix(layer_prefix).split(".")[0] \
+            if name.startswith(layer_prefix) else ""
+        if layer.isdigit() and int(layer) >= num_layers:
+            raise CheckpointError(f"{where}: tensor {name!r} is of layer {layer}, but the config "
+                                  f"has {num_layers} layers (num_hidden_layers / block_count)")
+
+
 def assemble(model: torch.nn.Module, recipe: dict[str, Source], ckpt, where: str,
              dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
              wide: frozenset[str] = frozenset(),
              consume: Callable[[str, torch.Tensor], bool] | None = None) -> None:
-    """Fill every placeholder parameter of `model` from the checkpoint, checking names/shapes;
-    with `tp`, each parameter is this rank's shard. Parameters named in `wide` are assembled in
-    float32 instead of `dtype` (the checkpoint's values, for a quantizer to read), and handed to
-    `consume(name, value)` as soon as assembled: when it takes one (returns True, having
-    installed the parameter itself), it is not stored, so a quantizer holds one weight in
-    float32 at a time."""
+    """Fill every placeholder parameter of `model` from the checkpoint (its tensors passed
+    `check_sources`); with `tp`, each parameter is this rank's shard. Parameters named in `wide`
+    are assembled in float32 instead of `dtype` (the checkpoint's values, for a quantizer to
+    read), and handed to `consume(name, value)` as soon as assembled: when it takes one (returns
+    True, having installed the parameter itself), it is not stored, so a quantizer holds one
+    weight in float32 at a time."""
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert set(expected) == set(recipe), sorted(set(expected) ^ set(recipe))
-    for src in recipe.values():   # validate everything before reading anything
-        for name, shape in src.tensors:
-            if name not in ckpt:
-                raise CheckpointError(f"{where} is missing tensor {name!r}")
-            if ckpt.shape(name) != shape:
-                raise CheckpointError(f"{where}: tensor {name!r} has shape "
-                                      f"{list(ckpt.shape(name))}, expected {list(shape)}")
     state, consumed = {}, set()
     for ours, src in recipe.items():
         if tp is None:
@@ -273,6 +326,7 @@ def _held(src: Source, tp: TensorParallel) -> list[tuple[str, tuple[int, ...]]]:
 
 # ------------------------------------------------------------------------------------ GGUF
 
+GGML_INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM"}
 GGUF_LAYER_NAMES = {
@@ -422,8 +476,9 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
         check_config(cfg, tp.size)
     if ckpt is None:
         ckpt = SafetensorsCheckpoint(path)
-    model = TargetModel(cfg, tp, max_positions)
     recipe = target_recipe(cfg)
+    check_sources(recipe, ckpt, str(path), "model.layers.", cfg.num_layers)
+    model = TargetModel(cfg, tp, max_positions)
     # quantized from the checkpoint's own values: a GGUF Q8_0 tensor comes back exactly
     wide = frozenset(model.linear_weights() + ["embed", "lm_head"]) & set(recipe) \
         if quantization else frozenset()
@@ -448,10 +503,11 @@ def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
     path = _resolve(path)
     config = read_config(path)
     cfg = DraftConfig.from_hf(config, target)
-    model = DFlashDraft(cfg, target.attn.hidden_size, max_positions)
     ckpt = SafetensorsCheckpoint(path)
-    assemble(model, draft_recipe(cfg, target.attn.hidden_size), ckpt, str(path), dtype,
-             torch.device(device))
+    recipe = draft_recipe(cfg, target.attn.hidden_size)
+    check_sources(recipe, ckpt, str(path), "layers.", cfg.num_layers)
+    model = DFlashDraft(cfg, target.attn.hidden_size, max_positions)
+    assemble(model, recipe, ckpt, str(path), dtype, torch.device(device))
     vocab_file = path / DRAFT_VOCAB_FILE
     if config.get("draft_vocab_size") is not None:
         model.draft_vocab, model.lm_head = _reduced_vocabulary(config, ckpt, target, path, dtype)
@@ -478,13 +534,8 @@ def _reduced_vocabulary(config: dict, ckpt, target: TargetConfig, path: Path,
     if not isinstance(n, int) or not 0 < n <= target.vocab_size:
         raise ConfigError(f"draft draft_vocab_size {n!r} must be an integer in "
                           f"[1, {target.vocab_size}] (the target's vocabulary)")
-    for name, shape in (("d2t", (n,)), ("lm_head.weight", (n, h))):
-        if name not in ckpt:
-            raise CheckpointError(f"{path}: draft_vocab_size is {n} but the checkpoint has no "
-                                  f"{name!r}")
-        if ckpt.shape(name) != shape:
-            raise CheckpointError(f"{path}: {name!r} has shape {list(ckpt.shape(name))}, "
-                                  f"expected {list(shape)}")
+    check_tensor(ckpt, "d2t", (n,), f"{path} (draft_vocab_size {n})", INTEGER_DTYPES)
+    check_tensor(ckpt, "lm_head.weight", (n, h), f"{path} (draft_vocab_size {n})")
     ids = torch.arange(n) + ckpt.get("d2t").long()
     if ids.min() < 0 or ids.max() >= target.vocab_size or len(ids.unique()) != n:
         raise CheckpointError(f"{path}: d2t must map the {n} draft ids to distinct target ids "
