@@ -3,7 +3,7 @@ the checkpoint directory (symlinked shards, as in the Hugging Face cache, still 
 tables are sized by the served length, impossible config sizes are a ConfigError naming the
 field, and Llama-3 GGUF files load with their RoPE scaling. Config fields and weights dflash would
 compute another model from (quantization, activations, sliding windows, non-float or surplus
-tensors, broken RoPE or MoE fields) are refused by name.
+tensors, broken RoPE or MoE fields) are refused by name; a NaN draft cannot change the output.
 (A planted trainer checkpoint.pt: tests/test_trainer.py.)"""
 
 import json
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import LLM
+from dflash import LLM, SamplingParams
 from dflash.models import load_draft, load_target, loader
 from dflash.models.config import ConfigError, DraftConfig, TargetConfig
 from dflash.models.layers import DEFAULT_ROPE_POSITIONS, rope_cos_sin
@@ -23,6 +23,7 @@ from dflash.train import TrainConfig, Trainer
 
 from helpers import (
     make_tiny_draft,
+    make_tiny_pair,
     make_tiny_target,
     sequence_metadata,
     write_llama_gguf,
@@ -392,3 +393,15 @@ def test_shapes_are_checked_before_a_model_or_its_rope_table_is_built(pair, tmp_
     with pytest.raises(CheckpointError, match="has shape"):
         load_draft(draft, TargetConfig.from_hf(_target_cfg(pair)), torch.float32)
 
+
+def test_a_draft_proposing_nan_leaves_adaptive_greedy_output_the_targets(tmp_path):
+    """A draft only proposes: one Inf weight makes its probabilities NaN, which must count as
+    no confidence, not break the adaptive tree's calibration."""
+    target, draft, _ = make_tiny_pair(tmp_path, block_size=4)
+    _rewrite(draft, lambda t: t["fc.weight"].__setitem__((0, 0), math.inf))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    alone = LLM(target, dtype="float32").generate(prompt, params)[0].token_ids
+    speculated = LLM(target, draft, dtype="float32", speculation="adaptive").generate(
+        prompt, params)[0].token_ids
+    assert speculated == alone

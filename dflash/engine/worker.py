@@ -377,6 +377,9 @@ class Worker:
                                   inputs.tokens.view(len(reqs), inputs.block_size), inputs.meta,
                                   self.draft_cache, inputs.num_drafts)
             probs, ids = ops.top_k(logits, min(TREE_TOP_K, logits.shape[-1]), probs=True)
+            # a draft only proposes: a NaN probability (a draft whose weights hold an Inf or
+            # NaN) is no confidence, so tree scores and their calibration stay numbers
+            probs = probs.nan_to_num(0.0)
             if self.draft_vocab is not None:
                 ids = self.draft_vocab[ids]
             probs, ids = probs.tolist(), ids.tolist()   # one host sync: the trees are host lists
