@@ -35,6 +35,7 @@ from .serving import Options
 # uvicorn cancels what is left), and for the engine thread's running step to end
 FLUSH = 2.0
 
+
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise ApiError(404, f"the model '{model}' does not exist: this server serves "
