@@ -352,3 +352,62 @@ def test_chi_square_catches_coins_that_reuse_the_race_noise(small_vocabulary, mo
     monkeypatch.setattr(noise, "COINS", noise.TARGET_RACE)
     pvalue, _ = _second_token_pvalue(small_vocabulary, "greedy", 6000)
     assert pvalue < 1e-3
+
+
+def _step_until(llm, done, limit=400):
+    outputs = []
+    for _ in range(limit):
+        outputs.append({o.request_id: o for o in llm.engine.step()})
+        if done(outputs[-1]):
+            return outputs
+    raise AssertionError("the engine did not get there")
+
+
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_a_long_prompt_prefills_a_chunk_a_step_while_the_others_decode(models, baseline,
+                                                                       speculation,
+                                                                       monkeypatch):
+    """A prompt of several PREFILL_CHUNKs prefills one chunk a step: the running request gets
+    tokens every step meanwhile (it waited for the whole prefill), and both outputs are the
+    target's own greedy continuations (transformers and target-only decoding)."""
+    import dflash.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 64)
+    target, draft, hf = models
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=4, speculation=speculation)
+    engine, sp = llm.engine, SamplingParams(max_tokens=60, ignore_eos=True)
+    short = engine.add_request(PROMPTS[3], sp)
+    long_prompt = [(13 * j) % 90 + 1 for j in range(3 * 64 + 20)]
+    _step_until(llm, lambda out: short in out)
+    long = engine.add_request(long_prompt, SamplingParams(max_tokens=20))
+    steps = _step_until(llm, lambda out: long in out)
+    assert len(steps) == 4   # four chunks: three of 64 tokens, then 20 and the first token
+    assert all(short in out and out[short].new_token_ids for out in steps[:3])
+    outputs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outputs[o.request_id] = o.output.token_ids
+    assert outputs[long] == baseline.generate([long_prompt], SamplingParams(max_tokens=20))[
+        0].token_ids == hf_greedy(hf, long_prompt, 20)
+    assert outputs[short] == hf_greedy(hf, PROMPTS[3], 60)
+    assert llm.allocator.num_free == llm.allocator.num_blocks
+
+
+def test_a_request_aborted_while_its_prompt_prefills_frees_its_blocks(models, monkeypatch):
+    import dflash.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 64)
+    target, draft, hf = models
+    llm = LLM(target, draft, dtype="float32", max_num_seqs=1, speculation="fixed")
+    engine = llm.engine
+    long = engine.add_request([(13 * j) % 90 + 1 for j in range(200)],
+                              SamplingParams(max_tokens=20))
+    waiting = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=12))
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1   # max_num_seqs holds
+    assert engine.abort(long)
+    outputs = {o.request_id: o for o in _step_until(llm, lambda out: waiting in out
+                                                    and out[waiting].finished)[-1].values()}
+    assert outputs[waiting].output.token_ids == hf_greedy(hf, PROMPTS[1], 12)
+    assert llm.allocator.num_free == llm.allocator.num_blocks and not engine.has_unfinished()

@@ -697,11 +697,11 @@ def test_shutdown_does_not_wait_for_a_long_step_past_the_grace_period(pair):
     in_step, release = threading.Event(), threading.Event()
     prefill = llm.worker.prefill
 
-    def slow_prefill(requests):   # a prefill that takes until the test releases it
+    def slow_prefill(requests, ends=None):   # a prefill that takes until the test releases it
         if any(r.prompt_ids[:len(MAGIC)] == MAGIC for r in requests):
             in_step.set()
             release.wait(60)
-        return prefill(requests)
+        return prefill(requests, ends)
 
     llm.worker.prefill = slow_prefill
     result = {}
@@ -733,12 +733,12 @@ def test_a_server_stopped_during_a_long_step_exits_0_at_once(pair, tmp_path):
 import time, torch
 from dflash.engine.worker import Worker
 prefill = Worker.prefill
-def slow(self, requests):   # a minute of torch ops, as a long prompt's prefill would run
+def slow(self, requests, ends=None):   # a minute of torch ops, as a long prefill would run
     if any(r.prompt_ids[:{len(MAGIC)}] == {MAGIC} for r in requests):
         x, end = torch.ones(256, 256), time.time() + 60
         while time.time() < end:
             x = torch.tanh(x @ x)
-    return prefill(self, requests)
+    return prefill(self, requests, ends)
 Worker.prefill = slow
 """
     proc, url, log = _serve_process(pair, tmp_path, "--grace-period", "0.5", setup=slow)

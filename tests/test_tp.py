@@ -11,6 +11,7 @@ import torch
 
 from dflash import LLM, SamplingParams
 from dflash.cli import main
+from dflash.engine.engine import PREFILL_CHUNK
 from dflash.models import ConfigError, load_target
 from dflash.models.layers import QuantizedWeight
 from dflash.models.parallel import TensorParallel
@@ -128,6 +129,10 @@ def test_tp2_generates_exactly_what_tp1_does(models, kind):
             llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
         llm.worker.proposer = None   # the group is still usable
         assert llm.generate(PROMPTS, greedy)[2].token_ids == expected[0][2]
+        # a prompt past PREFILL_CHUNK prefills in chunks on every rank
+        long = [[(13 * j) % 90 + 1 for j in range(PREFILL_CHUNK + 40)], PROMPTS[1]]
+        assert [o.token_ids for o in llm.generate(long, greedy[:2])] == \
+            [o.token_ids for o in tp1.generate(long, greedy[:2])]
 
 
 def test_tp2_adaptive_calibrates_through_the_group_and_stays_exact(models):

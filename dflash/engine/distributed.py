@@ -60,8 +60,9 @@ class TPWorker(Worker):
         self.tp, self.group = tp, group
         super().__init__(*worker_args)
 
-    def prefill(self, requests: list[Request]) -> list[int]:
-        return self._lead("prefill", requests, super().prefill)
+    def prefill(self, requests: list[Request], ends: list[int] | None = None):
+        return self._lead("prefill", requests, lambda rs: super(TPWorker, self).prefill(
+            rs, ends), ends)
 
     def step(self, requests: list[Request], num_drafts=None):
         if self.proposer is not None:
@@ -96,7 +97,7 @@ class TPWorker(Worker):
             return
         requests = [_mirror(s) for s in payload[0]]
         if kind == "prefill":
-            self.prefill(requests)
+            self.prefill(requests, payload[1])
         elif kind == "tree_step":   # the sizes are rank 0's (grow_trees)
             self.tree_step(requests, payload[1], payload[2], payload[3],
                            lambda trees, _: [t.prefix(1) for t in trees])

@@ -24,6 +24,11 @@ from .stats import Stats
 
 logger = logging.getLogger("dflash")
 
+# prompt tokens a step prefills for one long prompt: the other requests' tokens wait at most
+# this long prefill a step, not a whole prompt's (within PANEL_MAX_ROWS, so a chunk's linears
+# sum each row as a whole prompt's would)
+PREFILL_CHUNK = 256
+
 
 @dataclass
 class StepOutput:
@@ -82,6 +87,7 @@ class LLMEngine:
         self.running: list[Request] = []
         self.num_steps = 0
         self._admitting: list[Request] = []
+        self.prefilling: list[Request] = []       # admitted, prompt longer than PREFILL_CHUNK
         self._requests: dict[int, Request] = {}   # live or not yet reported as finished
         self._reported: dict[int, int] = {}       # output tokens already handed out
         self._done: list[Request] = []            # ended between steps (aborts)
@@ -111,7 +117,7 @@ class LLMEngine:
         if r is None or r.finished:
             return False
         r.finish("abort")
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.prefilling, self.waiting):
             if r in queue:
                 queue.remove(r)
                 self._release(r)
@@ -122,11 +128,12 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """True while a request waits, runs, or has an end the next step() will report."""
-        return bool(self.waiting or self.running or self._done)
+        return bool(self.waiting or self.running or self.prefilling or self._done)
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Requests admitted: decoding, or prefilling a long prompt a chunk a step."""
+        return len(self.running) + len(self.prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -146,8 +153,9 @@ class LLMEngine:
         try:
             self._schedule(touched)
         except Exception as error:
-            in_flight = list({id(r): r for r in self.running + self._admitting}.values())
-            self.running, self._admitting = [], []
+            in_flight = list({id(r): r for r in
+                              self.running + self._admitting + self.prefilling}.values())
+            self.running, self._admitting, self.prefilling = [], [], []
             if not self.isolate_errors:
                 for r in in_flight:   # an error mid-run must not leak cache blocks
                     self._release(r, count=False)
@@ -169,20 +177,25 @@ class LLMEngine:
 
     def _schedule(self, touched: list[Request]) -> None:
         admitted = self._admitting
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs and \
+        while self.waiting and self.num_running + len(admitted) < self.max_num_seqs and \
                 self.allocator.grow(self.waiting[0].block_table, self.processor.reservation(
                     len(self.waiting[0].prompt_ids), self.waiting[0].params)):
             admitted.append(self.waiting.popleft())
         admitted_any = bool(admitted)
         if admitted:
-            ok, _, first = self._call(lambda rs, ks: self.worker.prefill(rs), admitted)
-            self._commit_each(ok, [[token] for token in first])
-            self.running += admitted   # the ones that failed are finished: retired below
-            touched += admitted
+            # a long prompt prefills a chunk a step (below), so that it does not hold up the
+            # streams of the running requests for all of its length
+            self.prefilling += [r for r in admitted if len(r.prompt_ids) > PREFILL_CHUNK]
+            self._start([r for r in admitted if len(r.prompt_ids) <= PREFILL_CHUNK], None,
+                        touched)
             self._admitting = admitted = []
+        if self.prefilling:
+            r = self.prefilling[0]
+            self._start([r], [min(r.num_cached + PREFILL_CHUNK, len(r.prompt_ids))], touched)
         self._retire()
         if not self.running:
-            if self.waiting and not admitted_any:   # all blocks are free: it must have fit
+            if self.waiting and not admitted_any and not self.prefilling:
+                # all blocks are free: it must have fit
                 raise RuntimeError("internal error: cache blocks were not returned")
             return
         running = list(self.running)
@@ -195,6 +208,24 @@ class LLMEngine:
             self._chain_step(running, num_drafts)
         self._retire()
         self.num_steps += 1
+
+    def _start(self, requests: list[Request], ends: list[int] | None,
+               touched: list[Request]) -> None:
+        """Prefill `requests` up to `ends` (default: their prompts' ends); the ones whose
+        prompts are done commit their first token and run."""
+        if not requests:
+            return
+        ok, _, first = self._call(lambda rs, ks: self.worker.prefill(rs, ends), requests)
+        # out of `prefilling` before their first commit: an abort from on_tokens then finds
+        # them in no queue, and they are retired with the others (see abort)
+        started = [r for r in requests if r.finished or r.num_cached == len(r.prompt_ids)]
+        self.prefilling = [r for r in self.prefilling if r not in started]
+        self._admitting = started
+        done = [(r, token) for r, token in zip(ok, first) if token is not None]
+        self._commit_each([r for r, _ in done], [[token] for _, token in done])
+        self.running += started   # the ones that failed are finished: retired below
+        touched += started
+        self._admitting = []
 
     def _chain_step(self, running: list[Request], num_drafts: list[int]) -> None:
         step_start = time.perf_counter()

@@ -102,34 +102,44 @@ class Worker:
 
     # ------------------------------------------------------------------------------ prefill
     @torch.inference_mode()
-    def prefill(self, requests: list[Request]) -> list[int]:
-        """Run the prompts, fill the draft context, and return each request's first token.
+    def prefill(self, requests: list[Request], ends: list[int] | None = None
+                ) -> list[int | None]:
+        """Run the prompts from each request's `num_cached` to its end in `ends` (default: the
+        prompt's end), fill the draft context, and return each request's first token (None for
+        a request whose prompt goes on: a long prompt prefills in chunks, docs/design.md 4.3).
         Prompts go in passes of at most PANEL_MAX_ROWS rows, a longer one alone: past that a
         linear takes another GEMM, which sums in another order, so a pass of several prompts
-        would prefill each differently from itself alone (docs/design.md 4.3)."""
+        would prefill each differently from itself alone."""
         start = time.perf_counter()
+        ends = [len(r.prompt_ids) for r in requests] if ends is None else ends
         first = []
-        for batch in prefill_passes([len(r.prompt_ids) for r in requests], PANEL_MAX_ROWS):
-            first += self._prefill([requests[i] for i in batch])
+        for batch in prefill_passes([e - r.num_cached for r, e in zip(requests, ends)],
+                                    PANEL_MAX_ROWS):
+            first += self._prefill([requests[i] for i in batch], [ends[i] for i in batch])
         self.prefill_seconds += time.perf_counter() - start
         return first
 
-    def _prefill(self, requests: list[Request]) -> list[int]:
-        lengths = [len(r.prompt_ids) for r in requests]
-        meta = build_metadata([r.block_table for r in requests], [0] * len(requests), lengths,
+    def _prefill(self, requests: list[Request], ends: list[int]) -> list[int | None]:
+        starts = [r.num_cached for r in requests]
+        meta = build_metadata([r.block_table for r in requests], starts,
+                              [e - s for s, e in zip(starts, ends)],
                               self.kv_block_size, self.device, self.num_kv_blocks)
-        tokens = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)
+        tokens = torch.tensor([t for r, s, e in zip(requests, starts, ends)
+                               for t in r.prompt_ids[s:e]], device=self.device)
         hidden, features = self.target(tokens, meta, self.target_cache, self.capture)
-        logits = self.target.logits(hidden[meta.cu_query_lens[1:].long() - 1])
         if self.draft is not None:
             self.draft.write_context(features, meta.positions, meta.slot_mapping,
                                      self.draft_cache, check=not meta.checked)
-        for r, n in zip(requests, lengths):
-            r.num_cached = n
-        params = [r.params for r in requests]
-        probs = sampling.target_probs(logits[:, None], params)[:, 0]
-        first = sampling.sample(probs, self._is_greedy(requests), self._seeds(requests), lengths)
-        return first.tolist()
+        first = [None] * len(requests)   # a chunk: the prompt goes on (one request a call)
+        if all(e == len(r.prompt_ids) for r, e in zip(requests, ends)):
+            logits = self.target.logits(hidden[meta.cu_query_lens[1:].long() - 1])
+            params = [r.params for r in requests]
+            probs = sampling.target_probs(logits[:, None], params)[:, 0]
+            first = sampling.sample(probs, self._is_greedy(requests), self._seeds(requests),
+                                    ends).tolist()
+        for r, e in zip(requests, ends):   # last: a call that raised can run again
+            r.num_cached = e
+        return first
 
     # --------------------------------------------------------------------------- the step
     def block_inputs(self, requests: list[Request], num_drafts: int | None = None
