@@ -405,3 +405,66 @@ def test_a_draft_proposing_nan_leaves_adaptive_greedy_output_the_targets(tmp_pat
     speculated = LLM(target, draft, dtype="float32", speculation="adaptive").generate(
         prompt, params)[0].token_ids
     assert speculated == alone
+
+
+# ------------------------------------------------------------------------- damaged files
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+def _unindexed_target(pair, tmp_path) -> Path:
+    target = _copy(pair[0], tmp_path / "target")
+    assert (target / "model.safetensors").exists()
+    return target
+
+
+@pytest.mark.parametrize("damage,pattern", [
+    (lambda d: _truncate(d / "model.safetensors"), r"model\.safetensors: not a readable "
+                                                   r"safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
+     r"model\.safetensors: not a readable safetensors file"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), r"config\.json must hold a JSON "
+                                                         r"object, got list"),
+    (lambda d: (d / "config.json").write_bytes(b'{"a": "\xff"}'),
+     r"config\.json is not valid JSON"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{}"),
+     r"index\.json has no weight_map"),
+    (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": ["a"]}'),
+     r"index\.json has no weight_map"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{"),
+     r"index\.json is not valid JSON"),
+])
+def test_a_damaged_checkpoint_file_is_named(pair, tmp_path, damage, pattern):
+    # each raised an error from inside safetensors, json or the loader that named no file
+    # (SafetensorError, KeyError, AttributeError, UnicodeDecodeError)
+    target = _unindexed_target(pair, tmp_path)
+    damage(target)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_target(target, torch.float32)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "{", '{"token_ids": 5}'])
+def test_a_damaged_draft_vocabulary_file_is_named(pair, tmp_path, content):
+    draft = _copy(pair[1], tmp_path / "draft")
+    (draft / "draft_vocab.json").write_text(content)
+    target = load_target(pair[0], torch.float32)
+    with pytest.raises(CheckpointError, match=r"draft_vocab\.json"):
+        load_draft(draft, target.cfg, torch.float32)
+
+
+@pytest.mark.parametrize("keep", [0.9, 0.5, 0.01])
+def test_a_truncated_gguf_file_is_named(tmp_path, keep):
+    # it failed inside numpy or gguf (a reshape, an index, a dtype), naming no file
+    hf = make_tiny_target(tmp_path / "hf", "llama")
+    write_llama_gguf(hf, tmp_path / "t.gguf")
+    _truncate(tmp_path / "t.gguf", keep)
+    with pytest.raises(CheckpointError, match=r"t\.gguf: not a readable GGUF file"):
+        load_target(tmp_path / "t.gguf", torch.float32)
+
+
+def test_a_gguf_path_that_is_a_directory_is_named(tmp_path):
+    (tmp_path / "x.gguf").mkdir()
+    with pytest.raises(CheckpointError, match=r"x\.gguf: not a readable GGUF file"):
+        load_target(tmp_path / "x.gguf", torch.float32)

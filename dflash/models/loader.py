@@ -140,7 +140,11 @@ class SafetensorsCheckpoint:
             path = directory / name
             if not path.exists():
                 raise CheckpointError(f"shard {path} listed in the index does not exist")
-            handle = safe_open(str(path), framework="pt")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:   # SafetensorError (truncated, garbage), OSError
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") \
+                    from None
             self._handles.append(handle)
             for key in handle.keys():
                 if key in owner and not indexed:
@@ -175,7 +179,10 @@ def _safetensors_files(directory: Path) -> tuple[list[str], bool]:
     """The weight files of a checkpoint directory, and whether an index lists them."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        named = set(json.loads(index.read_text())["weight_map"].values())
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map (tensor name -> shard file)")
+        named = set(weight_map.values())
         for name in named:
             _check_shard_name(name, index)
         return sorted(named), True
@@ -388,7 +395,11 @@ def read_gguf(path: Path) -> tuple[dict, GGUFCheckpoint]:
     """A GGUF file as (Hugging Face style config dict, its tensors dequantized as read)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:   # a truncated file fails in numpy or gguf, a directory in mmap
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: "
+                              f"{e})") from None
     cfg = gguf_config(reader, path)
     return cfg, GGUFCheckpoint(reader, _gguf_field(reader, "general.architecture"),
                                cfg["num_attention_heads"], cfg["num_key_value_heads"])
@@ -444,10 +455,20 @@ def read_config(path: Path) -> dict:
     config = path / "config.json"
     if not config.exists():
         raise CheckpointError(f"{path} has no config.json (nor a single .gguf file)")
+    return read_json(config)
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`, or a CheckpointError naming the file."""
     try:
-        return json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config} is not valid JSON: {e}") from None
+        value = json.loads(path.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _resolve(path) -> Path:
@@ -512,8 +533,8 @@ def load_draft(path, target: TargetConfig, dtype: torch.dtype = torch.bfloat16,
     if config.get("draft_vocab_size") is not None:
         model.draft_vocab, model.lm_head = _reduced_vocabulary(config, ckpt, target, path, dtype)
     elif vocab_file.exists():
-        ids = json.loads(vocab_file.read_text()).get("token_ids")
-        if not ids or len(set(ids)) != len(ids) or \
+        ids = read_json(vocab_file).get("token_ids")
+        if not isinstance(ids, list) or not ids or len(set(ids)) != len(ids) or \
                 not all(isinstance(i, int) and 0 <= i < target.vocab_size for i in ids):
             raise CheckpointError(f"{vocab_file}: token_ids must be distinct ids in "
                                   f"[0, {target.vocab_size})")
