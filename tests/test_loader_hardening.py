@@ -8,6 +8,7 @@ tensors, broken RoPE or MoE fields) are refused by name; a NaN draft cannot chan
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -468,3 +469,24 @@ def test_a_gguf_path_that_is_a_directory_is_named(tmp_path):
     (tmp_path / "x.gguf").mkdir()
     with pytest.raises(CheckpointError, match=r"x\.gguf: not a readable GGUF file"):
         load_target(tmp_path / "x.gguf", torch.float32)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mask_token_id", True), ("target_layer_ids", [True, 1]), ("target_layer_ids", 2),
+    ("target_layer_ids", ["1"]), ("block_size", "4")])
+def test_draft_ids_that_are_not_integers_are_a_config_error_naming_the_field(pair, field,
+                                                                           value):
+    # true passed as 1, a bare id raised TypeError, and "1" was reported without its quotes
+    target = TargetConfig.from_hf(_target_cfg(pair))
+    cfg = json.loads((pair[1] / "config.json").read_text())
+    cfg["dflash_config"] = {**cfg["dflash_config"], field: value}
+    with pytest.raises(ConfigError, match=rf"{field}.*{re.escape(repr(value))}"):
+        DraftConfig.from_hf(cfg, target)
+
+
+@pytest.mark.parametrize("value", [{"id": 2}, "2", [1, True], -1])
+def test_an_eos_token_id_that_is_not_a_token_id_is_a_config_error(pair, value):
+    # a dict raised TypeError (unhashable) when the engine built its stop set; "2", true and
+    # -1 were kept as stop ids no token can equal
+    with pytest.raises(ConfigError, match=r"eos_token_id"):
+        TargetConfig.from_hf({**_target_cfg(pair), "eos_token_id": value})

@@ -62,6 +62,11 @@ MAX_COUNT = 2**14       # heads, layers, experts
 MAX_INDEX = 2**31 - 1   # vocabulary size, positions
 
 
+def is_integer(value) -> bool:
+    """An integer and not a bool (JSON `true` is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _size(cfg: dict, name: str, what: str, default=None, low: int = 1, high: int = MAX_DIM
           ) -> int:
     """cfg[name] (or `default` where it is missing or null; required without a default) as an
@@ -69,7 +74,7 @@ def _size(cfg: dict, name: str, what: str, default=None, low: int = 1, high: int
     value = cfg.get(name)
     if value is None:
         value = _get(cfg, name, what) if default is None else default
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not is_integer(value) or not low <= value <= high:
         raise ConfigError(f"{what} config {name}={value!r} must be an integer in "
                           f"[{low}, {high}]")
     return value
@@ -184,6 +189,9 @@ class TargetConfig:
                 raise ConfigError(f"target config {name}=True is not supported for {arch}: {why}")
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        if not all(is_integer(t) and t >= 0 for t in eos):
+            raise ConfigError(f"target config eos_token_id={cfg['eos_token_id']!r} must be a "
+                              f"token id or a list of them")
         attn = AttentionConfig.from_hf(cfg, "target")
         return cls(
             architecture=arch,
@@ -268,17 +276,19 @@ class DraftConfig:
 
         layers = _size(cfg, "num_hidden_layers", "draft", high=MAX_COUNT)
         ids = field_("target_layer_ids", default_target_layer_ids(target.num_layers, layers))
+        if not isinstance(ids, (list, tuple)):
+            raise ConfigError(f"draft target_layer_ids {ids!r} must be a list of layer ids")
         for i in ids:
-            if not isinstance(i, int) or not 0 <= i < target.num_layers:
-                raise ConfigError(f"draft target_layer_ids {list(ids)}: id {i} is outside the "
+            if not is_integer(i) or not 0 <= i < target.num_layers:
+                raise ConfigError(f"draft target_layer_ids {ids!r}: id {i!r} is outside the "
                                   f"target's {target.num_layers} layers [0, {target.num_layers})")
         mask = field_("mask_token_id")
-        if not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
-            raise ConfigError(f"draft mask_token_id {mask} is outside the target vocabulary "
+        if not is_integer(mask) or not 0 <= mask < target.vocab_size:
+            raise ConfigError(f"draft mask_token_id {mask!r} is outside the target vocabulary "
                               f"of {target.vocab_size}")
         block = field_("block_size", 16)
-        if not isinstance(block, int) or block < 2:
-            raise ConfigError(f"draft block_size must be an integer >= 2, got {block}")
+        if not is_integer(block) or block < 2:
+            raise ConfigError(f"draft block_size must be an integer >= 2, got {block!r}")
         _check_computed_as_configured(cfg, "draft")
         attn = AttentionConfig.from_hf(cfg, "draft")
         if attn.hidden_size != target.attn.hidden_size:

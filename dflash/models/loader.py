@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, DraftConfig, TargetConfig
+from .config import ConfigError, DraftConfig, TargetConfig, is_integer
 from .draft import DFlashDraft
 from .layers import llama3_scaling
 from .parallel import COLS, EXPERTS, RANK0, ROWS, VOCAB, TensorParallel, check_config
@@ -552,7 +552,7 @@ def _reduced_vocabulary(config: dict, ckpt, target: TargetConfig, path: Path,
     """(draft vocabulary [N] target ids, lm_head [N, H]) of a draft exported the EAGLE-3 way:
     `draft_vocab_size` N in config.json, `d2t` (target id - draft id) and `lm_head.weight`."""
     n, h = config["draft_vocab_size"], target.attn.hidden_size
-    if not isinstance(n, int) or not 0 < n <= target.vocab_size:
+    if not is_integer(n) or not 0 < n <= target.vocab_size:
         raise ConfigError(f"draft draft_vocab_size {n!r} must be an integer in "
                           f"[1, {target.vocab_size}] (the target's vocabulary)")
     check_tensor(ckpt, "d2t", (n,), f"{path} (draft_vocab_size {n})", INTEGER_DTYPES)
