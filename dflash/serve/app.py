@@ -200,7 +200,6 @@ class _Uvicorn(uvicorn.Server):
         self._captured_signals.clear()
 
     async def shutdown(self, sockets=None):
-        self._on_exit()
         timer = asyncio.get_running_loop().call_later(self._grace_period, self._on_deadline)
         try:
             await super().shutdown(sockets)
