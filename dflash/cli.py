@@ -9,6 +9,9 @@ import shlex
 import sys
 
 DEFAULT_TARGET = "smollm2"
+# `dflash train`'s answers: a prompt and --max-answer-tokens (a longer cache per sequence only
+# costs memory)
+ANSWER_MODEL_LEN = 1024
 
 
 def _at_least(least: int):
@@ -196,6 +199,7 @@ def _train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .engine import LLM
+    from .models.loader import read_target_config
     from .train import (
         TrainConfig,
         Trainer,
@@ -213,8 +217,11 @@ def _train(args: argparse.Namespace) -> int:
     # answer rows are indexed into texts; group = the question a row derives from
     texts = prompts + [text for _, text in variants]
     groups = list(range(len(prompts))) + [source for source, _ in variants]
-    llm = LLM(resolve_target(args.target), dtype=args.dtype, max_num_seqs=args.gen_batch,
-              max_model_len=args.max_model_len, recalibrate=args.recalibrate,
+    target = resolve_target(args.target)
+    max_model_len = args.max_model_len or \
+        min(ANSWER_MODEL_LEN, read_target_config(target).attn.max_position_embeddings)
+    llm = LLM(target, dtype=args.dtype, max_num_seqs=args.gen_batch,
+              max_model_len=max_model_len, recalibrate=args.recalibrate,
               quantization=args.quantization)
     generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
                      chunk=args.gen_batch * 2)
@@ -347,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--number-variants", type=_at_least(0), default=0,
                    help="also answer N copies of each prompt with its numbers re-drawn")
     p.add_argument("--max-answer-tokens", type=_at_least(1), default=384)
-    p.add_argument("--max-model-len", type=_at_least(2), default=1024)
+    p.add_argument("--max-model-len", type=_at_least(2), default=None,
+                   help=f"of the engine that answers (default: {ANSWER_MODEL_LEN}, or the "
+                        "target's max_position_embeddings if shorter)")
     p.add_argument("--only-data", action="store_true", help="stop after generating answers")
     p.add_argument("--layers", type=_at_least(1), default=2)
     p.add_argument("--intermediate-size", type=_at_least(1), default=None)
@@ -415,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_at_least(0), default=256,
                    help="requests waiting beyond max-num-seqs; more get 503 with Retry-After")
     p.add_argument("--max-model-len", type=_at_least(2), default=None,
-                   help="longest prompt + output (default min(4096, the target's))")
+                   help="longest prompt + output (default min(4096, the models' "
+                        "max_position_embeddings))")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the target's name)")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),

@@ -9,7 +9,13 @@ import pytest
 
 from dflash import LLM, SamplingParams, cli
 
-from helpers import CharTokenizer, make_tiny_pair, make_tiny_target, save_byte_tokenizer
+from helpers import (
+    CharTokenizer,
+    make_tiny_draft,
+    make_tiny_pair,
+    make_tiny_target,
+    save_byte_tokenizer,
+)
 
 B = 8
 
@@ -120,6 +126,22 @@ def test_a_max_model_len_within_one_block_is_refused(models, speculation, max_mo
     with pytest.raises(ValueError, match=f"max_model_len must be above the block size \\({B}"):
         LLM(models[0], models[1], dtype="float32", max_model_len=max_model_len,
             speculation=speculation)
+
+
+def test_a_max_model_len_beyond_the_models_positions_is_refused(models, tmp_path):
+    # it was silently lowered to the models' max_position_embeddings (512 here), so a server
+    # started with --max-model-len 1000 refused prompts of 600 tokens as too long
+    with pytest.raises(ValueError, match=r"max_model_len 1000 is beyond the target's "
+                                         r"max_position_embeddings \(512\)"):
+        LLM(models[0], dtype="float32", max_model_len=1000)
+    short = tmp_path / "draft"
+    make_tiny_draft(short, models[0], block_size=B, max_position_embeddings=300)
+    with pytest.raises(ValueError, match=r"max_model_len 400 is beyond the draft's "
+                                         r"max_position_embeddings \(300\)"):
+        LLM(models[0], short, dtype="float32", max_model_len=400, speculation="fixed")
+    # without max_model_len the engine serves what both models reach
+    assert LLM(models[0], short, dtype="float32", speculation="fixed").max_model_len == 300
+    assert LLM(models[0], dtype="float32", max_model_len=512).max_model_len == 512
 
 
 def test_target_only_decoding_serves_the_shortest_max_model_len(models):

@@ -33,8 +33,8 @@ class LLM:
         max_num_seqs: sequences decoded together (continuous batching).
         block_size: DFlash block size B (default: the draft's; 1 without a draft).
         kv_block_size: tokens per paged-cache block.
-        max_model_len: longest sequence (prompt + output) served; default min(4096, the target's
-            max_position_embeddings).
+        max_model_len: longest sequence (prompt + output) served; default min(4096, the
+            target's and the draft's max_position_embeddings). Beyond those it is an error.
         num_kv_blocks: cache blocks shared by all sequences; default enough for max_num_seqs
             sequences of max_model_len tokens. A request is admitted only once the blocks for
             its whole length (prompt + max_tokens + one block, capped by max_model_len) are

@@ -79,10 +79,15 @@ def _load_models(args: EngineArgs, dtype: torch.dtype, group) -> Loaded:
     if block_size < 1 or (draft is not None and block_size < 2):
         raise ValueError(f"block_size must be >= 2 with a draft (>= 1 without), "
                          f"got {block_size}")
-    limit = target.cos_sin.shape[0]
-    if draft is not None:
-        limit = min(limit, draft.cos_sin.shape[0])
-    max_model_len = min(served, limit)
+    # a RoPE table holds min(served, the model's max_position_embeddings) rows
+    limits = {name: m.cos_sin.shape[0] for name, m in (("target", target), ("draft", draft))
+              if m is not None}
+    for name, rows in limits.items():
+        if args.max_model_len is not None and rows < args.max_model_len:
+            raise ValueError(f"max_model_len {args.max_model_len} is beyond the {name}'s "
+                             f"max_position_embeddings ({rows}); unset, it is the longest "
+                             f"the models reach")
+    max_model_len = min(served, *limits.values())
     if max_model_len <= block_size:
         raise ValueError(f"max_model_len must be above the block size ({block_size}: a "
                          f"{'draft block' if draft is not None else 'token'} after a prompt "

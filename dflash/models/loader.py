@@ -478,6 +478,21 @@ def _resolve(path) -> Path:
     return path
 
 
+def read_target_config(path) -> TargetConfig:
+    """A target's config (a Hugging Face directory or a GGUF file), read without its weights."""
+    return _target_source(_resolve(path))[0]
+
+
+def _target_source(path: Path) -> tuple[TargetConfig, GGUFCheckpoint | None]:
+    """The target's config and, for a GGUF file, its open checkpoint."""
+    gguf_file = _gguf_file(path)
+    if gguf_file is not None:
+        cfg_dict, ckpt = read_gguf(gguf_file)
+    else:
+        cfg_dict, ckpt = read_config(path), None
+    return TargetConfig.from_hf(cfg_dict), ckpt
+
+
 def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                 tp: TensorParallel | None = None, max_positions: int | None = None,
                 quantization: str | None = None) -> TargetModel:
@@ -487,12 +502,7 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device: torch.device 
     (layers.QUANTIZATIONS): the format its linear weights are quantized to
     (`TargetModel.quantize`)."""
     path = _resolve(path)
-    gguf_file = _gguf_file(path)
-    if gguf_file is not None:
-        cfg_dict, ckpt = read_gguf(gguf_file)
-    else:
-        cfg_dict, ckpt = read_config(path), None
-    cfg = TargetConfig.from_hf(cfg_dict)
+    cfg, ckpt = _target_source(path)
     if tp is not None:
         check_config(cfg, tp.size)
     if ckpt is None:
