@@ -52,14 +52,14 @@ void OpCommand::Run() {
 
 namespace platform_ascendc {
 bool available = true;
-PlatformAscendCManager* PlatformAscendCManager::GetInstance() {
-  static PlatformAscendCManager instance;
+PlatformAscendC* PlatformAscendCManager::GetInstance() {
+  static PlatformAscendC instance;
   return available ? &instance : nullptr;
 }
-uint32_t PlatformAscendCManager::GetCoreNumAiv() const {
+uint32_t PlatformAscendC::GetCoreNumAiv() const {
   return 8;
 }
-void PlatformAscendCManager::GetCoreMemSize(const CoreMemType&, uint64_t& size) const {
+void PlatformAscendC::GetCoreMemSize(const CoreMemType&, uint64_t& size) const {
   size = 192 * 1024;
 }
 }  // namespace platform_ascendc
@@ -78,16 +78,16 @@ uint32_t launch_status = 0;
     return launch_status;                                                        \
   }
 #define DFLASH_GM6 void*, void*, void*, void*, void*, void*
-DFLASH_STUB_LAUNCH(dflash_context_kv_fp32, DFLASH_GM6, ContextKvTiling)
-DFLASH_STUB_LAUNCH(dflash_context_kv_fp16, DFLASH_GM6, ContextKvTiling)
-DFLASH_STUB_LAUNCH(dflash_context_kv_bf16, DFLASH_GM6, ContextKvTiling)
+DFLASH_STUB_LAUNCH(dflash_context_kv_fp32, DFLASH_GM6, ContextKvTiling*)
+DFLASH_STUB_LAUNCH(dflash_context_kv_fp16, DFLASH_GM6, ContextKvTiling*)
+DFLASH_STUB_LAUNCH(dflash_context_kv_bf16, DFLASH_GM6, ContextKvTiling*)
 DFLASH_STUB_LAUNCH(dflash_paged_attention_fp32, DFLASH_GM6, void*, void*, void*, void*,
-                   PagedAttentionTiling)
+                   PagedAttentionTiling*)
 DFLASH_STUB_LAUNCH(dflash_paged_attention_fp16, DFLASH_GM6, void*, void*, void*, void*,
-                   PagedAttentionTiling)
+                   PagedAttentionTiling*)
 DFLASH_STUB_LAUNCH(dflash_paged_attention_bf16, DFLASH_GM6, void*, void*, void*, void*,
-                   PagedAttentionTiling)
-DFLASH_STUB_LAUNCH(dflash_rejection_sample, DFLASH_GM6, void*, void*, RejectionSampleTiling)
+                   PagedAttentionTiling*)
+DFLASH_STUB_LAUNCH(dflash_rejection_sample, DFLASH_GM6, void*, void*, RejectionSampleTiling*)
 #undef DFLASH_GM6
 #undef DFLASH_STUB_LAUNCH
 

@@ -8,6 +8,7 @@ torch_npu.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -150,6 +151,42 @@ def test_npu_launchers_compile_against_stub_headers(tmp_path):
     result = subprocess.run(["c++", "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
                              *flags, str(unit)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def _launch_declarations(text: str) -> dict[str, list[str]]:
+    """name -> parameter types of each `extern "C" ... name(...)` declaration in C++ text."""
+    found = {}
+    for name, params in re.findall(r'extern\s+"C"[^;{(]*?\b(\w+)\s*\(([^)]*)\)', text):
+        # a parameter's type: all but its last word; spacing around `*` normalised
+        found[name] = [re.sub(r"\s*\*", "*", " ".join(p.split()[:-1]))
+                       for p in params.split(",") if p.strip()]
+    return found
+
+
+def test_the_launch_declarations_are_what_cann_generates_from_the_kernels(tmp_path):
+    """ascendc_library generates aclrtlaunch_<kernel>(blockDim, stream, params...) from each
+    kernel's signature in the preprocessed source: a GM_ADDR becomes void*, and a parameter whose
+    type is a struct defined there (a tiling struct) becomes a pointer to it, copied into the
+    launch arguments (asc-devkit cmake/asc/legacy_modules/util/extract_host_stub.py:
+    match_tiling_struct, tiling_add_pointer). The stub header the launchers are compiled against
+    must say the same, or a launcher that passes the tiling by value compiles here and not with
+    CANN."""
+    stub = _launch_declarations(
+        (ROOT / "tests" / "npu_stub_headers" / "aclrtlaunch_all.h").read_text())
+    kernels = {}
+    for source in sorted((ROOT / "ascend_kernels").glob("*.cpp")):
+        # the kernels as the emulation's headers expand them (its GM_ADDR is uint8_t*)
+        includes = [f"-I{ROOT / d}" for d in ("ascend_kernels/emu", "ascend_kernels", "csrc")]
+        text = subprocess.run(["c++", "-E", "-P", "-std=c++17", *includes, str(source)],
+                              capture_output=True, text=True, check=True, timeout=120).stdout
+        structs = set(re.findall(r"\bstruct\s+(\w+)\s*\{", text))
+        for name, types_ in _launch_declarations(text).items():
+            if name.startswith("dflash_"):
+                kernels[name] = [f"{t}*" if t in structs else
+                                 "void*" if t == "uint8_t*" else t for t in types_]
+    assert sorted(kernels) == sorted(name.removeprefix("aclrtlaunch_") for name in stub)
+    for name, params in kernels.items():
+        assert stub[f"aclrtlaunch_{name}"] == ["uint32_t", "aclrtStream", *params], name
 
 
 @pytest.fixture(scope="module")

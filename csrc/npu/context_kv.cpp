@@ -25,8 +25,9 @@ void context_kv_npu(const at::Tensor& hidden, const std::optional<at::Tensor>& f
                                ACLRT_LAUNCH_KERNEL(dflash_context_kv_fp16),
                                ACLRT_LAUNCH_KERNEL(dflash_context_kv_bf16));
   run_on_stream("dflash::context_kv", [l, kernel](void* stream) {  // caches: through cache_table
+    auto tiling = l.tiling;  // by pointer: the launch copies it into its arguments (npu_common.h)
     return kernel(l.block_dim, stream, gm_ptr(l.kv), gm_ptr(l.k_norm_weight), gm_ptr(l.positions),
-                  gm_ptr(l.cos_sin), gm_ptr(l.slots), gm_ptr(l.cache_table), l.tiling);
+                  gm_ptr(l.cos_sin), gm_ptr(l.slots), gm_ptr(l.cache_table), &tiling);
   });
 }
 

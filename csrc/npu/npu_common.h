@@ -18,7 +18,7 @@ namespace dflash::ascend {
 
 // CANN's description of the device; null when CANN cannot read it (no visible NPU, set_env.sh
 // not sourced), which is an error here rather than a crash.
-inline platform_ascendc::PlatformAscendCManager& platform() {
+inline platform_ascendc::PlatformAscendC& platform() {
   auto* p = platform_ascendc::PlatformAscendCManager::GetInstance();
   TORCH_CHECK(p != nullptr,
               "dflash: CANN's platform information is unavailable "
@@ -49,7 +49,9 @@ Kernel by_dtype(int dtype_code, Kernel fp32, Kernel fp16, Kernel bf16) {
 // kernel on their stream), and captured. `launch` returns the runtime's status for the launch
 // (the generated aclrtlaunch_<kernel> functions do; `<<<>>>` gives none): a failure is reported
 // under the op's name, and the handler returns it, so torch_npu fails the op's task with it
-// (the handler cannot throw: it may run on the queue's thread).
+// (the handler cannot throw: it may run on the queue's thread). A generated launch function
+// takes the kernel's tiling struct by pointer and copies it into the launch's arguments, so the
+// tiling needs no copy to the device of its own.
 template <typename Launch>
 void run_on_stream(const char* name, Launch launch) {
   void* stream = c10_npu::getCurrentNPUStream().stream(false);

@@ -35,10 +35,11 @@ at::Tensor paged_attention_into(const at::Tensor& query, const at::Tensor& key,
                                  ACLRT_LAUNCH_KERNEL(dflash_paged_attention_fp16),
                                  ACLRT_LAUNCH_KERNEL(dflash_paged_attention_bf16));
     run_on_stream("dflash::paged_attention", [l, kernel](void* stream) {  // the copy keeps them
+      auto tiling = l.tiling;  // by pointer: the launch copies it (npu_common.h)
       return kernel(l.block_dim, stream, gm_ptr(l.query), gm_ptr(l.key), gm_ptr(l.value),
                     gm_ptr(l.key_cache), gm_ptr(l.value_cache), gm_ptr(l.block_table),
                     gm_ptr(l.context_lens), gm_ptr(l.cu_query_lens), gm_ptr(l.tree_mask),
-                    gm_ptr(l.out), l.tiling);
+                    gm_ptr(l.out), &tiling);
     });
   }
   return l.out;

@@ -20,10 +20,11 @@ std::tuple<at::Tensor, at::Tensor> sample_into(
                                exponential, check, out_ids, num_out, vector_cores(), ub_bytes());
   if (l.block_dim) {
     run_on_stream("dflash::rejection_sample", [l](void* stream) {  // the copy keeps them alive
+      auto tiling = l.tiling;  // by pointer: the launch copies it (npu_common.h)
       return ACLRT_LAUNCH_KERNEL(dflash_rejection_sample)(
           l.block_dim, stream, gm_ptr(l.draft_ids), gm_ptr(l.draft_probs), gm_ptr(l.target_probs),
           gm_ptr(l.is_greedy), gm_ptr(l.uniform), gm_ptr(l.exponential), gm_ptr(l.out_ids),
-          gm_ptr(l.num_accepted), l.tiling);
+          gm_ptr(l.num_accepted), &tiling);
     });
   }
   return {l.out_ids, l.num_accepted};
