@@ -51,7 +51,8 @@ def paged_attention(query, key, value, key_cache, value_cache, block_table, cont
         import torch_npu
 
         return fused_infer_attention(torch_npu, query, key, value, key_cache, value_cache,
-                                     block_table, context_lens, cu_query_lens, scale, causal)
+                                     block_table, context_lens, cu_query_lens, scale, causal,
+                                     check)
     args = (query, key, value, key_cache, value_cache, block_table, context_lens, cu_query_lens,
             scale, causal, check, tree_mask)
     if out is None:
@@ -71,12 +72,16 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
 
 
 def fused_infer_attention(torch_npu, query, key, value, key_cache, value_cache, block_table,
-                          context_lens, cu_query_lens, scale: float, causal: bool) -> torch.Tensor:
-    """paged_attention through `torch_npu.npu_fused_infer_attention_score` (module docstring)."""
+                          context_lens, cu_query_lens, scale: float, causal: bool,
+                          check: bool = True) -> torch.Tensor:
+    """paged_attention through `torch_npu.npu_fused_infer_attention_score` (module docstring).
+    The op takes the per-sequence lengths as host lists, so every call reads `cu_query_lens` and
+    `context_lens` back from the device; index values are read for checking only with `check`."""
     op = "paged_attention"
     checks.paged_attention_meta(query, key, value, key_cache, value_cache, block_table,
                                 context_lens, cu_query_lens, scale, causal)
-    checks.paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens)
+    if check:
+        checks.paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens)
     checks.require(query.dtype in (torch.bfloat16, torch.float16), op,
                    f"{ENV}=fused_infer serves bfloat16 and float16, got {query.dtype} "
                    f"(npu_fused_infer_attention_score has no float32)")
@@ -95,14 +100,16 @@ def fused_infer_attention(torch_npu, query, key, value, key_cache, value_cache, 
     if not seqs:
         return torch.empty_like(query)
 
-    # The new tokens' cache slots, then their K/V written there.
+    # The new tokens' cache slots (from the device's lengths: no copies to it), then their K/V
+    # written there.
     device = query.device
-    seq = torch.repeat_interleave(torch.arange(len(new), device=device),
-                                  torch.tensor(new, device=device))
-    starts = torch.tensor(cu[:-1], device=device)[seq]
-    positions = torch.arange(query.shape[0], device=device) - starts + context_lens.long()[seq]
+    cu_dev = cu_query_lens.long()
+    seq = torch.repeat_interleave(torch.arange(len(new), device=device), cu_dev[1:] - cu_dev[:-1],
+                                  output_size=query.shape[0])
+    positions = torch.arange(query.shape[0], device=device) - cu_dev[seq] + \
+        context_lens.long()[seq]
     blocks = block_table.long()[seq, positions // block_size]
-    bad = ((blocks < 0) | (blocks >= num_blocks)).nonzero()
+    bad = ((blocks < 0) | (blocks >= num_blocks)).nonzero() if check else ()
     if len(bad):
         t = int(bad[0])
         checks.fail(op, f"block_table[{int(seq[t])}, {int(positions[t]) // block_size}] = "
@@ -112,12 +119,14 @@ def fused_infer_attention(torch_npu, query, key, value, key_cache, value_cache, 
     key_cache.view(-1, hkv, d).index_copy_(0, slots, key)
     value_cache.view(-1, hkv, d).index_copy_(0, slots, value)
 
-    keep = torch.tensor(seqs, device=device)
+    # sequences without new tokens leave the op's batch (the table's rows: a copy only then)
+    table = block_table if len(seqs) == len(new) else \
+        block_table[torch.tensor(seqs, device=device)]
     out, _ = torch_npu.npu_fused_infer_attention_score(
         query, key_cache.view(num_blocks, block_size, hkv * d),
         value_cache.view(num_blocks, block_size, hkv * d),
         atten_mask=_causal_mask(device) if causal else None,
-        block_table=block_table[keep],
+        block_table=table,
         input_layout="TND",
         block_size=block_size,
         actual_seq_lengths=[cu[b + 1] for b in seqs],
