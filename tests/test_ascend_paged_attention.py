@@ -142,6 +142,21 @@ def test_views_and_strided_inputs(emu):
     check(emu, args)
 
 
+def test_a_cache_that_is_not_contiguous_is_refused(emu):
+    # The kernel reads a block at block * block_size rows: a strided cache (K and V interleaved
+    # per block, [blocks, 2, block_size, Hkv, D]) used to be copied whole on every call.
+    args = paged_attention_inputs(context_lens=(20, 7), query_lens=(3, 2), hq=4, hkv=2, d=64,
+                                  block_size=8, seed=5)
+    interleaved = torch.stack([args["key_cache"], args["value_cache"]], dim=1)
+    args.update(key_cache=interleaved[:, 0], value_cache=interleaved[:, 1])
+    before = emu.allocations()
+    with pytest.raises(ValueError, match="key_cache must be contiguous for the Ascend kernel"):
+        emu.paged_attention(**args)
+    assert emu.allocations() == before
+    args.update(key_cache=args["key_cache"].contiguous(), value_cache=args["value_cache"].clone())
+    check(emu, args)
+
+
 def test_no_query_rows(emu):
     args = paged_attention_inputs(context_lens=(5, 3), query_lens=(0, 0))
     assert emu.paged_attention(**args).shape == (0, 4, 8)

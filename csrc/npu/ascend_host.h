@@ -309,6 +309,13 @@ inline PagedAttentionLaunch prepare_paged_attention(
   checks::paged_attention_meta(query, key, value, key_cache, value_cache, block_table, context_lens,
                                cu_query_lens, scale, causal, tree_mask);
   if (out) checks::paged_attention_out(query, *out);
+  // the kernel finds a block at block * block_size rows: a strided cache would be copied whole
+  // on every call
+  for (const auto& [name, cache] :
+       {std::pair{"key_cache", &key_cache}, {"value_cache", &value_cache}})
+    if (!cache->is_contiguous())
+      fail(op, name, " must be contiguous for the Ascend kernel, got strides ", cache->strides(),
+           " (make it contiguous once, not per call)");
   if (check)
     check_paged_attention_values(query, key_cache, block_table, context_lens, cu_query_lens,
                                  tree_mask);
@@ -334,8 +341,8 @@ inline PagedAttentionLaunch prepare_paged_attention(
   l.query = query.contiguous();
   l.key = key.contiguous();
   l.value = value.contiguous();
-  l.key_cache = key_cache.contiguous();
-  l.value_cache = value_cache.contiguous();
+  l.key_cache = key_cache;
+  l.value_cache = value_cache;
   l.block_table = block_table.contiguous();
   l.context_lens = context_lens.contiguous();
   l.cu_query_lens = cu_query_lens.contiguous();
