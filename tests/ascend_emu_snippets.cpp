@@ -624,6 +624,15 @@ void dma_params_bad(GM_ADDR i, GM_ADDR o) {
               DataCopyPadExtParams<float>{true, 0, 9, 0.0f});  // 36 bytes of padding
 }
 
+void dma_block_count_bad(GM_ADDR i, GM_ADDR o) {
+  Gm gm(i, o);
+  TPipe pipe;
+  TBuf<TPosition::VECIN> f;
+  pipe.InitBuffer(f, 4096 * 32);
+  DataCopyPad(f.Get<float>(), gm.in, DataCopyExtParams{4096, sizeof(float), 0, 0, 0},
+              DataCopyPadExtParams<float>{false, 0, 0, 0.0f});  // one block more than allowed
+}
+
 void cast_mode_bad(GM_ADDR, GM_ADDR) {
   TPipe pipe;
   TBuf<TPosition::VECIN> f, h;
@@ -915,6 +924,7 @@ const Entry kSnippets[] = {
     SNIPPET(gm_bounds_bad, 1),
     SNIPPET(gm_readonly_bad, 1),
     SNIPPET(dma_params_bad, 1),
+    SNIPPET(dma_block_count_bad, 1),
     SNIPPET(cast_mode_bad, 1),
     SNIPPET(select_mode_bad, 1),
     SNIPPET(queue_free_bad, 1),

@@ -46,6 +46,7 @@ def run(name, inp=None):
     ("gm-bounds", "gm_readonly_bad", "writes to read-only input input"),
     ("block-race", "block_race_bad", "both write the same GM bytes"),
     ("dma-params", "dma_params_bad", "padding may not exceed 32 bytes"),
+    ("dma-params", "dma_block_count_bad", "blockCount 4096 exceeds 4095"),
     ("cast", "cast_mode_bad", "only CAST_RINT / CAST_NONE"),
     ("select", "select_mode_bad", "needs VSEL_TENSOR_SCALAR_MODE"),
     ("queue", "queue_free_bad", "FreeTensor of a tensor this queue does not hold"),

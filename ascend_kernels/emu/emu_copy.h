@@ -56,6 +56,8 @@ inline void pad_params(const DataCopyExtParams& p, size_t elem, uint32_t gm_stri
                        uint32_t right) {
   if (p.blockCount == 0 || p.blockLen == 0)
     dflash::emu::fail("dma-params", "DataCopyPad needs blockCount and blockLen >= 1");
+  if (p.blockCount > 4095)  // DataCopyExtParams: blockCount in [0, 4095]
+    dflash::emu::fail("dma-params", "DataCopyPad blockCount ", p.blockCount, " exceeds 4095");
   if (p.blockLen % elem || gm_stride % elem)
     dflash::emu::fail("dma-params", "DataCopyPad blockLen and GM stride must be whole elements");
   if (left * elem > dflash::emu::kAlign || right * elem > dflash::emu::kAlign)
