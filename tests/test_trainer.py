@@ -294,3 +294,14 @@ def test_a_planted_checkpoint_is_refused_without_running_its_code(tiny, tmp_path
     with pytest.raises(ValueError, match="checkpoint.pt holds objects other than tensors"):
         Trainer(target, _answers(), out, _config())
     assert not marker.exists()
+
+
+def test_answers_that_reach_the_served_length_train_and_evaluate(tiny):
+    """An answer that stops at max_model_len (the target's RoPE table) has anchors whose block
+    would run past it: the engine drafts no such block, so training samples none."""
+    root, _, _ = tiny
+    target = load_target(root / "target", dtype=torch.float32, max_positions=43)
+    rows = _answers(length=40)   # 3 prompt + 40 answer tokens: the whole served length
+    trainer = Trainer(target, rows, root / "full-length", _config(total_steps=2, eval_every=2))
+    trainer.run()
+    assert trainer.log[-1]["step"] == 2 and trainer.log[-1]["heldout_tau"] >= 1

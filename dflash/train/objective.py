@@ -27,13 +27,21 @@ class Batch:
     anchors: list[torch.Tensor]     # per sequence [A] anchor positions (sorted)
 
 
-def sample_anchors(prompt_len: int, total_len: int, count: int,
-                   generator: torch.Generator) -> torch.Tensor:
-    """Up to `count` distinct anchors in [prompt_len, total_len - 2] (each has >= 1 label)."""
-    candidates = torch.arange(prompt_len, total_len - 1)
+def sample_anchors(prompt_len: int, total_len: int, count: int, generator: torch.Generator,
+                   end: int | None = None) -> torch.Tensor:
+    """Up to `count` distinct anchors in [prompt_len, total_len - 2] (each has >= 1 label) and
+    below `end` (see anchor_end)."""
+    stop = total_len - 1 if end is None else min(total_len - 1, end)
+    candidates = torch.arange(prompt_len, max(prompt_len, stop))
     if len(candidates) > count:
         candidates = candidates[torch.randperm(len(candidates), generator=generator)[:count]]
     return candidates.sort().values
+
+
+def anchor_end(draft: DFlashDraft) -> int:
+    """The first anchor whose block runs past the draft's RoPE table (the length served when the
+    answers were generated): the engine drafts no block past max_model_len, so none trains."""
+    return draft.cos_sin.shape[0] - draft.cfg.block_size + 1
 
 
 @torch.no_grad()

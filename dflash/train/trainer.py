@@ -25,7 +25,15 @@ from ..models.layers import unpacked
 from ..models.loader import load_draft, save_draft
 from .card import inherited_lineage, save_training_metadata, training_metadata, write_model_card
 from .features import cached_features
-from .objective import Batch, block_logits, draft_loss, predictions, sample_anchors, target_features
+from .objective import (
+    Batch,
+    anchor_end,
+    block_logits,
+    draft_loss,
+    predictions,
+    sample_anchors,
+    target_features,
+)
 
 
 @dataclass
@@ -136,7 +144,7 @@ def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> fl
     for row in rows:
         tokens = torch.tensor(row["prompt_ids"] + row["answer_ids"])
         start = len(row["prompt_ids"])
-        anchors = torch.arange(start, len(tokens) - 1)
+        anchors = torch.arange(start, min(len(tokens) - 1, anchor_end(draft)))
         if not len(anchors):
             continue
         batch = Batch([tokens], [anchors])
@@ -146,7 +154,8 @@ def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> fl
         hits = (predictions(draft, logits) == labels).int()
         pos = start   # the block anchored at pos re-feeds the last committed token
         while pos < len(tokens) - 1:
-            accepted = int(hits[pos - start].cumprod(0).sum())
+            # past anchor_end the engine drafts nothing: the step commits one token
+            accepted = int(hits[pos - start].cumprod(0).sum()) if pos - start < len(hits) else 0
             steps, committed = steps + 1, committed + accepted + 1
             pos += accepted + 1
     return committed / steps if steps else 1.0
@@ -167,19 +176,22 @@ class Trainer:
         # the runs this one continues (from --init-from's metadata); kept in the checkpoint
         self.lineage = inherited_lineage(tc.init_from)
         self.out.mkdir(parents=True, exist_ok=True)
-        usable = [r for r in answers if len(r["answer_ids"]) >= 2]
+        self.cfg = draft_config(target, tc)
+        # the draft sees every position its target does (the target's table: the length served
+        # when the answers were generated), not the loaders' default bound
+        self.draft = init_draft(self.cfg, target.cfg.attn.hidden_size, tc.seed,
+                                target.cos_sin.shape[0])
+        # a row needs an anchor: two answer tokens, and a prompt that leaves room for a block
+        usable = [r for r in answers if len(r["answer_ids"]) >= 2
+                  and len(r["prompt_ids"]) < anchor_end(self.draft)]
         # rows may name the question they derive from (`group`, e.g. a number variant): no
         # training row shares a question with a held-out row
         self.heldout = usable[:tc.heldout]
         held = {_group(r) for r in self.heldout}
         self.train_rows = [r for r in usable[tc.heldout:] if _group(r) not in held]
         if not self.train_rows:
-            raise ValueError("no training answers (each needs at least 2 answer tokens)")
-        self.cfg = draft_config(target, tc)
-        # the draft sees every position its target does (the target's table: the length served
-        # when the answers were generated), not the loaders' default bound
-        self.draft = init_draft(self.cfg, target.cfg.attn.hidden_size, tc.seed,
-                                target.cos_sin.shape[0])
+            raise ValueError("no training answers (each needs at least 2 answer tokens, and a "
+                             "block after its prompt within the served length)")
         if tc.draft_vocab_size:
             self.draft.draft_vocab = frequent_tokens(self.train_rows, tc.draft_vocab_size)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=tc.lr,
@@ -284,7 +296,8 @@ class Trainer:
             t = torch.tensor(row["prompt_ids"] + row["answer_ids"])
             tokens.append(t)
             anchors.append(sample_anchors(len(row["prompt_ids"]), len(t),
-                                          self.tc.anchors_per_seq, self.generator))
+                                          self.tc.anchors_per_seq, self.generator,
+                                          anchor_end(self.draft)))
         return Batch(tokens, anchors), picked
 
     def train_step(self) -> dict:
