@@ -203,6 +203,7 @@ def _train(args: argparse.Namespace) -> int:
     from .train import (
         TrainConfig,
         Trainer,
+        check_options,
         generate_answers,
         load_prompts,
         number_variants,
@@ -223,10 +224,6 @@ def _train(args: argparse.Namespace) -> int:
     llm = LLM(target, dtype=args.dtype, max_num_seqs=args.gen_batch,
               max_model_len=max_model_len, recalibrate=args.recalibrate,
               quantization=args.quantization)
-    generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
-                     chunk=args.gen_batch * 2)
-    if args.only_data:
-        return 0
     ids = _int_list(args.target_layer_ids)
     tc = TrainConfig(num_layers=args.layers, intermediate_size=args.intermediate_size,
                      block_size=args.block_size, mask_token_id=args.mask_token_id,
@@ -236,6 +233,11 @@ def _train(args: argparse.Namespace) -> int:
                      init_from=args.init_from, eval_every=args.eval_every,
                      init_from_target_layers=_int_list(args.init_from_target_layers),
                      cache_features=not args.no_feature_cache)
+    check_options(llm.target, tc)   # before the answers: generating them takes long
+    generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
+                     chunk=args.gen_batch * 2)
+    if args.only_data:
+        return 0
     command = shlex.join(["dflash", *sys.argv[1:]])
     # the answers file may hold more questions than this run's --num-prompts: train on these only
     rows = [dict(r, group=groups[r["index"]]) for r in read_answers(answers)

@@ -305,3 +305,42 @@ def test_answers_that_reach_the_served_length_train_and_evaluate(tiny):
     trainer = Trainer(target, rows, root / "full-length", _config(total_steps=2, eval_every=2))
     trainer.run()
     assert trainer.log[-1]["step"] == 2 and trainer.log[-1]["heldout_tau"] >= 1
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(target_layer_ids=[1, 4]), r"target_layer_ids \[1, 4\]: id 4 is outside the target's 4"),
+    (dict(target_layer_ids=[-1]), r"id -1 is outside"),
+    (dict(mask_token_id=96), "mask_token_id 96 is outside the target vocabulary of 96"),
+    (dict(block_size=600), "block_size 600 is longer than the served length 512"),
+    (dict(draft_vocab_size=97), "draft_vocab_size 97 is larger than the target vocabulary"),
+    (dict(num_layers=2, intermediate_size=128, init_from_target_layers=[0, 4]),
+     r"init_from_target_layers \[0, 4\]: id 4 is outside"),
+])
+def test_bad_options_are_named_before_any_work(tiny, tmp_path, option, message):
+    _, target, _ = tiny
+    with pytest.raises(ValueError, match=message):
+        Trainer(target, _answers(), tmp_path, _config(**option))
+    assert not (tmp_path / "features.safetensors").exists()
+
+
+def test_a_warm_start_of_another_shape_is_refused_before_features_are_computed(tiny, tmp_path):
+    root, target, _ = tiny
+    with pytest.raises(ValueError, match="or the same with fewer layers"):
+        Trainer(target, _answers(), tmp_path, _config(init_from=str(root / "draft")))
+    assert not (tmp_path / "features.safetensors").exists()
+
+
+def test_the_command_line_checks_options_before_generating_answers(tmp_path, capsys):
+    from dflash import cli
+
+    from helpers import save_byte_tokenizer
+
+    target = tmp_path / "target"
+    make_tiny_target(target, vocab_size=len(save_byte_tokenizer(target)), num_hidden_layers=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question": "What is 2 + 2?"}\n')
+    assert cli.main(["train", "--target", str(target), "--prompts", str(prompts),
+                     "--out", str(tmp_path / "run"), "--dtype", "float32",
+                     "--target-layer-ids", "0,2"]) == 2
+    assert "id 2 is outside the target's 2 layers" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "answers.jsonl").exists()

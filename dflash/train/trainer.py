@@ -63,6 +63,27 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
+def check_options(target: TargetModel, tc: TrainConfig) -> None:
+    """A ValueError naming the first option that does not fit `target`, before any work (answer
+    generation and feature caching take long; training would fail past them on these)."""
+    layers, vocab = target.cfg.num_layers, target.cfg.vocab_size
+    for name in ("target_layer_ids", "init_from_target_layers"):
+        ids = getattr(tc, name) or []
+        for i in ids:
+            if not 0 <= i < layers:
+                raise ValueError(f"{name} {ids}: id {i} is outside the target's {layers} layers "
+                                 f"[0, {layers})")
+    if not 0 <= tc.mask_token_id < vocab:
+        raise ValueError(f"mask_token_id {tc.mask_token_id} is outside the target vocabulary "
+                         f"of {vocab}")
+    served = target.cos_sin.shape[0]
+    if tc.block_size > served:
+        raise ValueError(f"block_size {tc.block_size} is longer than the served length {served}")
+    if tc.draft_vocab_size > vocab:
+        raise ValueError(f"draft_vocab_size {tc.draft_vocab_size} is larger than the target "
+                         f"vocabulary of {vocab}")
+
+
 def draft_config(target: TargetModel, tc: TrainConfig) -> DraftConfig:
     t = target.cfg.attn
     ids = tc.target_layer_ids or default_target_layer_ids(target.cfg.num_layers, tc.num_layers)
@@ -174,6 +195,7 @@ class Trainer:
         self.target_name, self.command = target_name, command
         require("matplotlib", "train", "dflash train (the model card's training curve)")
         # the runs this one continues (from --init-from's metadata); kept in the checkpoint
+        check_options(target, tc)
         self.lineage = inherited_lineage(tc.init_from)
         self.out.mkdir(parents=True, exist_ok=True)
         self.cfg = draft_config(target, tc)
@@ -199,10 +221,10 @@ class Trainer:
         self.step, self.elapsed, self.log = 0, 0.0, []
         self.generator = torch.Generator().manual_seed(tc.seed)
         self.order: list[int] = []
+        self._resume()   # first: it refuses a checkpoint or warm start of another shape
         self.features = cached_features(target, self.train_rows, self.cfg.target_layer_ids,
                                         self.out / "features.safetensors") \
             if tc.cache_features else None
-        self._resume()
 
     # ----------------------------------------------------------------------- checkpoints
     def _resume(self) -> None:
