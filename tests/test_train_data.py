@@ -6,7 +6,7 @@ import re
 import pytest
 
 from dflash import LLM, SamplingParams
-from dflash.train import generate_answers, number_variants, read_answers
+from dflash.train import generate_answers, load_prompts, number_variants, read_answers
 
 from helpers import CharTokenizer, make_tiny_target
 
@@ -48,3 +48,26 @@ def test_generate_answers_resumes_and_refuses_another_prompt_list(llm, tmp_path)
         generate_answers(llm, ["Ann has 13 apples"] + PROMPTS[1:], out, max_tokens=5)
     assert out.read_text() == stamp
     assert len(json.loads(stamp.splitlines()[0])["answer_ids"]) == 5
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"question": "a"}\nnot json\n', r":2 is not JSON \(Expecting value"),
+    (b'"a question"\n', ":1 is not a JSON object"),
+    (b'5\n', ":1 is not a JSON object"),
+    (b'{"question": null}\n', ":1: 'question' is not a string"),
+    (b'{"prompt": ["a"]}\n', ":1: 'prompt' is not a string"),
+    (b'{"question": "a"}\n{"question": "caf\xe9"}\n', ":2 is not UTF-8"),
+    (b"", " has no prompts"),
+    (b"\n  \n", " has no prompts"),
+])
+def test_a_bad_prompts_file_names_the_file_and_line(tmp_path, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + message):
+        load_prompts(path)
+
+
+def test_load_prompts_reads_each_field_it_documents(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"question": "q", "answer": "x"}\n\n{"prompt": "p"}\n{"text": "t é"}\n')
+    assert load_prompts(path) == ["q", "p", "t é"]

@@ -12,19 +12,35 @@ from tqdm import tqdm
 
 
 def load_prompts(path) -> list[str]:
-    """Prompts from a JSONL file: the `question` (GSM8K), `prompt` or `text` field of each line."""
+    """Prompts from a JSONL file: the `question` (GSM8K), `prompt` or `text` field of each line.
+    A line that is not such a row is an error naming it: it would fail later, past loading the
+    target, or not at all (a string row's substring test)."""
     prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:   # bytes: a line that is not UTF-8 is named like any other
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where} is not UTF-8") from None
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where} is not a JSON object")
             for key in ("question", "prompt", "text"):
                 if key in row:
+                    if not isinstance(row[key], str):
+                        raise ValueError(f"{where}: {key!r} is not a string")
                     prompts.append(row[key])
                     break
             else:
-                raise ValueError(f"{path}:{n} has no 'question', 'prompt' or 'text' field")
+                raise ValueError(f"{where} has no 'question', 'prompt' or 'text' field")
+    if not prompts:
+        raise ValueError(f"{path} has no prompts")
     return prompts
 
 
