@@ -204,6 +204,7 @@ def _train(args: argparse.Namespace) -> int:
         TrainConfig,
         Trainer,
         check_options,
+        check_target,
         generate_answers,
         load_prompts,
         number_variants,
@@ -234,6 +235,9 @@ def _train(args: argparse.Namespace) -> int:
                      init_from_target_layers=_int_list(args.init_from_target_layers),
                      cache_features=not args.no_feature_cache)
     check_options(llm.target, tc)   # before the answers: generating them takes long
+    name = args.target if args.target == DEFAULT_TARGET else str(Path(args.target).resolve())
+    check_target(out / "target.json", {"target": name, "dtype": str(llm.dtype),
+                                       "quantization": args.quantization})
     generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
                      chunk=args.gen_batch * 2)
     if args.only_data:

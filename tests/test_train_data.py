@@ -71,3 +71,31 @@ def test_load_prompts_reads_each_field_it_documents(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"question": "q", "answer": "x"}\n\n{"prompt": "p"}\n{"text": "t é"}\n')
     assert load_prompts(path) == ["q", "p", "t é"]
+
+
+def test_a_run_directory_refuses_another_target(tmp_path, capsys):
+    """Rerunning `dflash train` on OUT with another target (same tokenizer) must not reuse the
+    first target's answers, feature cache and checkpoint under the second one's name."""
+    from dflash import cli
+
+    from helpers import save_byte_tokenizer
+
+    for name, seed in (("a", 0), ("b", 1)):
+        tok = save_byte_tokenizer(tmp_path / name)
+        make_tiny_target(tmp_path / name, seed=seed, vocab_size=len(tok), num_hidden_layers=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"question": "What is 2 + 2?"}\n')
+    out = tmp_path / "run"
+    run = ["train", "--prompts", str(prompts), "--out", str(out), "--only-data",
+           "--max-answer-tokens", "4"]
+    assert cli.main([*run, "--target", str(tmp_path / "a"), "--dtype", "float32"]) == 0
+    answers = (out / "answers.jsonl").read_text()
+    assert cli.main([*run, "--target", str(tmp_path / "a"), "--dtype", "float32"]) == 0
+    capsys.readouterr()
+    for other in (["--target", str(tmp_path / "b"), "--dtype", "float32"],
+                  ["--target", str(tmp_path / "a"), "--dtype", "bfloat16"],
+                  ["--target", str(tmp_path / "a"), "--dtype", "float32",
+                   "--quantization", "int8"]):
+        assert cli.main([*run, *other]) == 2
+        assert "was started with another target" in capsys.readouterr().err
+    assert (out / "answers.jsonl").read_text() == answers

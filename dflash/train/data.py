@@ -105,6 +105,19 @@ def _check_resumed_rows(llm, prompts: list[str], rows: list[dict], out_path: Pat
                              f"--num-prompts or --number-variants?): use another output directory")
 
 
+def check_target(path, target: dict) -> None:
+    """Record in `path` the target (name, dtype, quantization) a run directory's answers,
+    feature cache and checkpoint come from, or refuse a rerun with another: same prompt ids
+    (a shared tokenizer) would let it train on the first target's answers and features."""
+    path = Path(path)
+    if not path.exists():
+        path.write_text(json.dumps(target) + "\n")
+    elif (first := json.loads(path.read_text())) != target:
+        raise ValueError(f"{path.parent} was started with another target ({first}, not "
+                         f"{target}): use another output directory (or, if it is the same "
+                         f"model moved, delete {path})")
+
+
 def read_answers(path) -> list[dict]:
     """Rows written by generate_answers; a torn last line (killed mid-write) is skipped."""
     rows = []
