@@ -344,3 +344,15 @@ def test_the_command_line_checks_options_before_generating_answers(tmp_path, cap
                      "--target-layer-ids", "0,2"]) == 2
     assert "id 2 is outside the target's 2 layers" in capsys.readouterr().err
     assert not (tmp_path / "run" / "answers.jsonl").exists()
+
+
+@pytest.mark.parametrize("option", [dict(draft_vocab_size=30), dict(seed=5),
+                                    dict(init_from_target_layers=[1])])
+def test_a_resume_refuses_options_its_checkpoint_would_ignore(tiny, tmp_path, option):
+    """The checkpoint keeps its vocabulary, RNG and initial weights: a rerun that asks for others
+    would train on, while training.json and the card stated the new values."""
+    _, target, _ = tiny
+    Trainer(target, _answers(), tmp_path, _config()).run(stop_at=1)
+    key = next(iter(option))
+    with pytest.raises(ValueError, match=f"was trained with {key}="):
+        Trainer(target, _answers(), tmp_path, _config(**option))

@@ -242,9 +242,12 @@ class Trainer:
                              f"dflash does not load (a checkpoint.pt it wrote never does): "
                              f"{str(e).splitlines()[0]}") from None
         saved = state["config"]
+        # the shape, and what the checkpoint fixed when the run started (its vocabulary, RNG and
+        # initial weights): another value would be ignored while training.json states it
         for key in ("num_layers", "intermediate_size", "block_size", "mask_token_id",
-                    "target_layer_ids"):
-            if saved[key] != getattr(self.tc, key):
+                    "target_layer_ids", "draft_vocab_size", "seed", "init_from",
+                    "init_from_target_layers"):
+            if saved.get(key, getattr(self.tc, key)) != getattr(self.tc, key):
                 raise ValueError(f"{path} was trained with {key}={saved[key]}, not "
                                  f"{getattr(self.tc, key)}: use another output directory")
         self.draft.load_state_dict(state["draft"])
