@@ -356,3 +356,20 @@ def test_a_resume_refuses_options_its_checkpoint_would_ignore(tiny, tmp_path, op
     key = next(iter(option))
     with pytest.raises(ValueError, match=f"was trained with {key}="):
         Trainer(target, _answers(), tmp_path, _config(**option))
+
+
+def test_training_json_states_the_layers_sizes_and_vocabulary_actually_used(tiny, tmp_path):
+    """Defaults resolve against the target, and a draft vocabulary is at most the distinct
+    answer tokens: the recipe states the values the draft was trained with, not None."""
+    _, target, _ = tiny
+    trainer = Trainer(target, _answers(), tmp_path,
+                      _config(target_layer_ids=None, intermediate_size=None,
+                              draft_vocab_size=95))
+    trainer.run(stop_at=1)
+    recipe = json.loads((tmp_path / "draft" / "training.json").read_text())["recipe"]
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert recipe["target_layer_ids"] == config["dflash_config"]["target_layer_ids"] == [2]
+    assert recipe["intermediate_size"] == config["intermediate_size"] == 128
+    assert recipe["draft_vocab_size"] == config["draft_vocab_size"] < 95
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert "| target_layer_ids | [2] |" in card

@@ -304,8 +304,14 @@ class Trainer:
                    extra_config={"dflash_training": {"step": self.step,
                                                      "elapsed_s": round(self.elapsed)}})
         (self.out / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.log))
+        # the recipe states what was trained: defaults as resolved against the target, and the
+        # vocabulary as chosen (at most the distinct answer tokens, or a warm start's)
+        vocab = self.draft.draft_vocab
+        recipe = replace(self.tc, intermediate_size=self.cfg.intermediate_size,
+                         target_layer_ids=list(self.cfg.target_layer_ids),
+                         draft_vocab_size=0 if vocab is None else len(vocab))
         save_training_metadata(self.out / "draft", training_metadata(
-            self.tc, self.log, self.train_rows, self.heldout, self.target_name, self.command,
+            recipe, self.log, self.train_rows, self.heldout, self.target_name, self.command,
             self.lineage))
         write_model_card(self.out / "draft")
 
