@@ -134,3 +134,17 @@ def test_the_command_line_writes_the_same_file(pair, tmp_path, capsys):
                  "-o", str(tmp_path / "cli.gguf")]) == 0
     assert "--spec-type draft-dflash" in capsys.readouterr().out
     assert (tmp_path / "cli.gguf").read_bytes() == (tmp_path / "api.gguf").read_bytes()
+
+
+def test_a_d2t_outside_the_target_vocabulary_is_refused(pair, tmp_path):
+    """llama.cpp scatters draft logits to the d2t rows: ids past the vocabulary must not pass."""
+    root, tensors = pair
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((root / "draft" / "config.json").read_text())
+    d2t = tensors["d2t"].clone()
+    d2t[-1] = 96 - (DRAFT_VOCAB - 1)   # the last draft id proposes target id 96
+    save_file({**tensors, "d2t": d2t}, bad / "model.safetensors")
+    with pytest.raises(CheckpointError, match="d2t must map"):
+        export_draft_gguf(bad, root / "target.gguf", tmp_path / "d.gguf")
+    assert not (tmp_path / "d.gguf").exists()

@@ -22,6 +22,7 @@ from .loader import (
     CheckpointError,
     SafetensorsCheckpoint,
     gguf_config,
+    load_draft,
     read_config,
 )
 
@@ -68,6 +69,9 @@ def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Pat
     missing = [n for n in names + (["d2t"] if reduced else []) if n not in ckpt]
     if missing:
         raise CheckpointError(f"{draft_dir}: the draft checkpoint lacks {', '.join(missing)}")
+    # every check dflash's loader makes (shapes, d2t's distinct ids within the vocabulary):
+    # llama.cpp scatters the draft logits to the d2t rows as they are
+    vocab = load_draft(draft_dir, target, torch.float32).draft_vocab
 
     partial = out.with_name(out.name + ".part")
     writer = gguf.GGUFWriter(str(partial), ARCH)
@@ -99,8 +103,7 @@ def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Pat
         else:
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, kind), raw_dtype=kind)
     if reduced:
-        d2t = ckpt.get("d2t").long()
-        writer.add_tensor("d2t", (torch.arange(len(d2t)) + d2t).numpy().astype(np.int64))
+        writer.add_tensor("d2t", vocab.numpy().astype(np.int64))   # absolute target ids
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
