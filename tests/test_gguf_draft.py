@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.cli import GGUF_OUTTYPES, main
-from dflash.models import load_draft
+from dflash.models import load_draft, load_target
 from dflash.models.config import TargetConfig
 from dflash.models.gguf_draft import OUTTYPES, export_draft_gguf
 from dflash.models.loader import CheckpointError, read_gguf
@@ -134,6 +134,27 @@ def test_the_command_line_writes_the_same_file(pair, tmp_path, capsys):
                  "-o", str(tmp_path / "cli.gguf")]) == 0
     assert "--spec-type draft-dflash" in capsys.readouterr().out
     assert (tmp_path / "cli.gguf").read_bytes() == (tmp_path / "api.gguf").read_bytes()
+
+
+def test_a_draft_vocab_json_draft_keeps_its_vocabulary(pair, tmp_path):
+    """A draft may keep its vocabulary in draft_vocab.json (its lm_head rows are the target's):
+    the GGUF holds those ids and the target GGUF's rows, not a full-vocabulary draft."""
+    root, tensors = pair
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config = json.loads((root / "draft" / "config.json").read_text())
+    del config["draft_vocab_size"]
+    (draft / "config.json").write_text(json.dumps(config))
+    save_file({k: v for k, v in tensors.items() if k not in ("d2t", "lm_head.weight")},
+              draft / "model.safetensors")
+    ids = [1, 5, 9, 20]
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    out = export_draft_gguf(draft, root / "target.gguf", tmp_path / "d.gguf", "f32")
+    _, written = _read(out)
+    assert np.array(written["d2t"].data).tolist() == ids
+    head = load_target(root / "hf", dtype=torch.float32).output_embedding   # tied: embeddings
+    got = torch.from_numpy(np.array(written["output.weight"].data)).reshape(len(ids), -1)
+    assert torch.equal(got, head[ids])
 
 
 def test_a_d2t_outside_the_target_vocabulary_is_refused(pair, tmp_path):

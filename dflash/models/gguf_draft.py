@@ -6,7 +6,8 @@ llama.cpp's `dflash` architecture reads Qwen3 hyperparameters, `dflash.block_siz
 target layer i is i + 1) and the target's tokenizer, whose `mask_token_id` fills the block. A
 reduced draft vocabulary is `d2t` [N] int64 holding absolute target ids, where our checkpoints
 keep target id - draft id (the EAGLE-3 convention vLLM and SGLang read), plus the draft's own
-`output.weight` [N, H]; a full-vocabulary draft has no head and borrows the target's.
+`output.weight` [N, H] (the target's rows for a draft that keeps its vocabulary in
+`draft_vocab.json`); a full-vocabulary draft has no head and borrows the target's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .loader import (
     gguf_config,
     load_draft,
     read_config,
+    read_gguf,
 )
 
 ARCH = "dflash"
@@ -72,6 +74,11 @@ def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Pat
     # every check dflash's loader makes (shapes, d2t's distinct ids within the vocabulary):
     # llama.cpp scatters the draft logits to the d2t rows as they are
     vocab = load_draft(draft_dir, target, torch.float32).draft_vocab
+    tensors = {name: ckpt.get(name) for name in names}
+    if vocab is not None and not reduced:   # draft_vocab.json: the lm_head rows are the target's
+        _, target_ckpt = read_gguf(target_gguf)
+        head = "lm_head.weight" if "lm_head.weight" in target_ckpt else "model.embed_tokens.weight"
+        tensors["lm_head.weight"] = target_ckpt.get(head)[vocab]
 
     partial = out.with_name(out.name + ".part")
     writer = gguf.GGUFWriter(str(partial), ARCH)
@@ -96,13 +103,13 @@ def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Pat
     writer.add_mask_token_id(cfg.mask_token_id)
 
     kind = gguf.GGMLQuantizationType[outtype.upper()]
-    for name in names:
-        w = ckpt.get(name).float().numpy()
+    for name, w in tensors.items():
+        w = w.float().numpy()
         if w.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(name), w)
         else:
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(w, kind), raw_dtype=kind)
-    if reduced:
+    if vocab is not None:
         writer.add_tensor("d2t", vocab.numpy().astype(np.int64))   # absolute target ids
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
