@@ -373,3 +373,13 @@ def test_training_json_states_the_layers_sizes_and_vocabulary_actually_used(tiny
     assert recipe["draft_vocab_size"] == config["draft_vocab_size"] < 95
     card = (tmp_path / "draft" / "README.md").read_text()
     assert "| target_layer_ids | [2] |" in card
+
+
+def test_a_resume_refuses_other_answers(tiny, tmp_path):
+    """The checkpoint's data order indexes its training rows: resumed on other rows (a rerun
+    with more --num-prompts) it would go on with another data set under the same card."""
+    _, target, _ = tiny
+    Trainer(target, _answers(), tmp_path, _config()).run(stop_at=10)
+    with pytest.raises(ValueError, match="was trained on other answers"):
+        Trainer(target, _answers(n=30), tmp_path, _config())
+    assert Trainer(target, _answers(), tmp_path, _config()).step == 10

@@ -8,6 +8,7 @@ directory any loader of z-lab drafts can read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import pickle
@@ -182,6 +183,13 @@ def heldout_tau(draft: DFlashDraft, target: TargetModel, rows: list[dict]) -> fl
     return committed / steps if steps else 1.0
 
 
+def answers_key(rows: list[dict]) -> str:
+    """A digest of the rows a run trains and evaluates on (its checkpoint's data order indexes
+    them)."""
+    return hashlib.sha256(json.dumps([[r["prompt_ids"], r["answer_ids"]] for r in rows])
+                          .encode()).hexdigest()
+
+
 def _group(row: dict) -> int:
     return row.get("group", row["index"])
 
@@ -214,6 +222,7 @@ class Trainer:
         if not self.train_rows:
             raise ValueError("no training answers (each needs at least 2 answer tokens, and a "
                              "block after its prompt within the served length)")
+        self.answers_key = answers_key(self.heldout + self.train_rows)
         if tc.draft_vocab_size:
             self.draft.draft_vocab = frequent_tokens(self.train_rows, tc.draft_vocab_size)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=tc.lr,
@@ -250,6 +259,11 @@ class Trainer:
             if saved.get(key, getattr(self.tc, key)) != getattr(self.tc, key):
                 raise ValueError(f"{path} was trained with {key}={saved[key]}, not "
                                  f"{getattr(self.tc, key)}: use another output directory")
+        if state.get("answers", self.answers_key) != self.answers_key:
+            raise ValueError(f"{path} was trained on other answers than these "
+                             f"{len(self.heldout)} held-out and {len(self.train_rows)} training "
+                             f"answers (a run with other --num-prompts or --number-variants?): "
+                             f"use another output directory (or --init-from its draft)")
         self.draft.load_state_dict(state["draft"])
         # a warm start may have kept its source's vocabulary rather than this run's choice
         if "draft_vocab" in state:   # checkpoints written before it was saved recompute it
@@ -296,7 +310,7 @@ class Trainer:
                  "step": self.step, "elapsed": self.elapsed, "log": self.log,
                  "order": self.order, "generator": self.generator.get_state(),
                  "draft_vocab": self.draft.draft_vocab, "config": asdict(self.tc),
-                 "lineage": self.lineage}
+                 "lineage": self.lineage, "answers": self.answers_key}
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.replace(self.out / "checkpoint.pt")
