@@ -191,8 +191,12 @@ def _generate_with(llm, prompts: list[str], params, chat: bool) -> int:
     return 0
 
 
-def _int_list(text: str | None) -> list[int] | None:
-    return [int(x) for x in text.split(",")] if text else None
+def _layer_ids(text: str) -> list[int]:
+    """An argparse type: a comma list of layer ids (integers >= 0)."""
+    return [_at_least(0)(x) for x in text.split(",")]
+
+
+_layer_ids.__name__ = "layer id list"   # argparse names the type in its message
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -225,14 +229,13 @@ def _train(args: argparse.Namespace) -> int:
     llm = LLM(target, dtype=args.dtype, max_num_seqs=args.gen_batch,
               max_model_len=max_model_len, recalibrate=args.recalibrate,
               quantization=args.quantization)
-    ids = _int_list(args.target_layer_ids)
     tc = TrainConfig(num_layers=args.layers, intermediate_size=args.intermediate_size,
                      block_size=args.block_size, mask_token_id=args.mask_token_id,
-                     target_layer_ids=ids, total_steps=args.steps, lr=args.lr,
+                     target_layer_ids=args.target_layer_ids, total_steps=args.steps, lr=args.lr,
                      seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq,
                      seed=args.seed, draft_vocab_size=args.draft_vocab_size,
                      init_from=args.init_from, eval_every=args.eval_every,
-                     init_from_target_layers=_int_list(args.init_from_target_layers),
+                     init_from_target_layers=args.init_from_target_layers,
                      cache_features=not args.no_feature_cache)
     check_options(llm.target, tc)   # before the answers: generating them takes long
     name = args.target if args.target == DEFAULT_TARGET else str(Path(args.target).resolve())
@@ -368,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=_at_least(1), default=None)
     p.add_argument("--block-size", type=_at_least(2), default=16)
     p.add_argument("--mask-token-id", type=_at_least(0), default=0)
-    p.add_argument("--target-layer-ids", default=None, help="comma list; default: docs/design.md 2")
+    p.add_argument("--target-layer-ids", type=_layer_ids, default=None,
+                   help="comma list; default: docs/design.md 2")
     p.add_argument("--steps", type=_at_least(1), default=4000)
     p.add_argument("--lr", type=_finite(), default=6e-4)
     p.add_argument("--seqs-per-step", type=_at_least(1), default=4)
@@ -381,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (resumably) after this")
     p.add_argument("--init-from", default=None,
                    help="start from an exported draft's weights (when OUT has no checkpoint)")
-    p.add_argument("--init-from-target-layers", default=None,
+    p.add_argument("--init-from-target-layers", type=_layer_ids, default=None,
                    help="comma list: start draft layer i from target layer i of the list")
     p.add_argument("--eval-every", type=_at_least(1), default=250,
                    help="steps between held-out tau")

@@ -383,3 +383,13 @@ def test_a_resume_refuses_other_answers(tiny, tmp_path):
     with pytest.raises(ValueError, match="was trained on other answers"):
         Trainer(target, _answers(n=30), tmp_path, _config())
     assert Trainer(target, _answers(), tmp_path, _config()).step == 10
+
+
+@pytest.mark.parametrize("option", ["--target-layer-ids", "--init-from-target-layers"])
+def test_a_layer_list_that_is_not_integers_names_its_option(tmp_path, capsys, option):
+    from dflash import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path),
+                  option, "1,a"])
+    assert f"argument {option}: invalid layer id list value: '1,a'" in capsys.readouterr().err
