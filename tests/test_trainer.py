@@ -393,3 +393,9 @@ def test_a_layer_list_that_is_not_integers_names_its_option(tmp_path, capsys, op
         cli.main(["train", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path),
                   option, "1,a"])
     assert f"argument {option}: invalid layer id list value: '1,a'" in capsys.readouterr().err
+
+
+def test_too_few_answers_says_how_many_are_held_out(tiny, tmp_path):
+    _, target, _ = tiny
+    with pytest.raises(ValueError, match="of 4 usable answers the first 4 are held out"):
+        Trainer(target, _answers(n=4), tmp_path, _config())

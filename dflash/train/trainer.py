@@ -220,8 +220,11 @@ class Trainer:
         held = {_group(r) for r in self.heldout}
         self.train_rows = [r for r in usable[tc.heldout:] if _group(r) not in held]
         if not self.train_rows:
-            raise ValueError("no training answers (each needs at least 2 answer tokens, and a "
-                             "block after its prompt within the served length)")
+            raise ValueError(f"no training answers: of {len(usable)} usable answers the first "
+                             f"{len(self.heldout)} are held out, and the rest share their "
+                             f"questions (of {len(answers)} answers, a usable one has at least "
+                             f"2 answer tokens and a block after its prompt within the served "
+                             f"length)")
         self.answers_key = answers_key(self.heldout + self.train_rows)
         if tc.draft_vocab_size:
             self.draft.draft_vocab = frequent_tokens(self.train_rows, tc.draft_vocab_size)
