@@ -169,3 +169,11 @@ def test_a_d2t_outside_the_target_vocabulary_is_refused(pair, tmp_path):
     with pytest.raises(CheckpointError, match="d2t must map"):
         export_draft_gguf(bad, root / "target.gguf", tmp_path / "d.gguf")
     assert not (tmp_path / "d.gguf").exists()
+
+
+def test_a_truncated_target_gguf_is_named(pair, tmp_path):
+    root, _ = pair
+    truncated = tmp_path / "target.gguf"
+    truncated.write_bytes((root / "target.gguf").read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+        export_draft_gguf(root / "draft", truncated, tmp_path / "d.gguf")

@@ -22,7 +22,6 @@ from .loader import (
     GGUF_LAYER_NAMES,
     CheckpointError,
     SafetensorsCheckpoint,
-    gguf_config,
     load_draft,
     read_config,
     read_gguf,
@@ -54,8 +53,9 @@ def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Pat
     if target_gguf.suffix != ".gguf" or not target_gguf.is_file():
         raise CheckpointError(f"{target_gguf} is not a GGUF file: llama.cpp needs the target's "
                               f"tokenizer from the target GGUF the draft will run with")
-    reader = gguf.GGUFReader(str(target_gguf))
-    target = TargetConfig.from_hf(gguf_config(reader, target_gguf))
+    target_config, target_ckpt = read_gguf(target_gguf)   # a damaged file: an error naming it
+    target = TargetConfig.from_hf(target_config)
+    reader = gguf.GGUFReader(str(target_gguf))   # its tokenizer fields
     config = read_config(draft_dir)
     cfg = DraftConfig.from_hf(config, target)
     a = cfg.attn
@@ -76,7 +76,6 @@ def export_draft_gguf(draft_dir, target_gguf, out, outtype: str = "bf16") -> Pat
     vocab = load_draft(draft_dir, target, torch.float32).draft_vocab
     tensors = {name: ckpt.get(name) for name in names}
     if vocab is not None and not reduced:   # draft_vocab.json: the lm_head rows are the target's
-        _, target_ckpt = read_gguf(target_gguf)
         head = "lm_head.weight" if "lm_head.weight" in target_ckpt else "model.embed_tokens.weight"
         tensors["lm_head.weight"] = target_ckpt.get(head)[vocab]
 
