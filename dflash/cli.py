@@ -207,8 +207,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train import (
         TrainConfig,
         Trainer,
+        check_generation,
         check_options,
-        check_target,
         generate_answers,
         load_prompts,
         number_variants,
@@ -239,8 +239,9 @@ def _train(args: argparse.Namespace) -> int:
                      cache_features=not args.no_feature_cache)
     check_options(llm.target, tc)   # before the answers: generating them takes long
     name = args.target if args.target == DEFAULT_TARGET else str(Path(args.target).resolve())
-    check_target(out / "target.json", {"target": name, "dtype": str(llm.dtype),
-                                       "quantization": args.quantization})
+    check_generation(out / "generation.json", {
+        "target": name, "dtype": str(llm.dtype), "quantization": args.quantization,
+        "max_answer_tokens": args.max_answer_tokens, "max_model_len": args.max_model_len})
     generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
                      chunk=args.gen_batch * 2)
     if args.only_data:

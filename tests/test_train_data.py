@@ -74,8 +74,8 @@ def test_load_prompts_reads_each_field_it_documents(tmp_path):
 
 
 def test_a_run_directory_refuses_another_target(tmp_path, capsys):
-    """Rerunning `dflash train` on OUT with another target (same tokenizer) must not reuse the
-    first target's answers, feature cache and checkpoint under the second one's name."""
+    """Rerunning `dflash train` on OUT with another target (same tokenizer) or answer length
+    must not reuse the first run's answers, feature cache and checkpoint under its command."""
     from dflash import cli
 
     from helpers import save_byte_tokenizer
@@ -95,7 +95,12 @@ def test_a_run_directory_refuses_another_target(tmp_path, capsys):
     for other in (["--target", str(tmp_path / "b"), "--dtype", "float32"],
                   ["--target", str(tmp_path / "a"), "--dtype", "bfloat16"],
                   ["--target", str(tmp_path / "a"), "--dtype", "float32",
-                   "--quantization", "int8"]):
+                   "--quantization", "int8"],
+                  # answers kept at 4 tokens, which the card would state as 8
+                  ["--target", str(tmp_path / "a"), "--dtype", "float32",
+                   "--max-answer-tokens", "8"],
+                  ["--target", str(tmp_path / "a"), "--dtype", "float32",
+                   "--max-model-len", "512"]):
         assert cli.main([*run, *other]) == 2
-        assert "was started with another target" in capsys.readouterr().err
+        assert "answers were generated with" in capsys.readouterr().err
     assert (out / "answers.jsonl").read_text() == answers

@@ -105,17 +105,17 @@ def _check_resumed_rows(llm, prompts: list[str], rows: list[dict], out_path: Pat
                              f"--num-prompts or --number-variants?): use another output directory")
 
 
-def check_target(path, target: dict) -> None:
-    """Record in `path` the target (name, dtype, quantization) a run directory's answers,
-    feature cache and checkpoint come from, or refuse a rerun with another: same prompt ids
-    (a shared tokenizer) would let it train on the first target's answers and features."""
+def check_generation(path, settings: dict) -> None:
+    """Record in `path` what a run directory's answers (and so its feature cache and checkpoint)
+    are generated with: target, dtype, quantization, lengths. A rerun with others is refused: it
+    would train on the first run's answers, and a shared tokenizer passes _check_resumed_rows."""
     path = Path(path)
     if not path.exists():
-        path.write_text(json.dumps(target) + "\n")
-    elif (first := json.loads(path.read_text())) != target:
-        raise ValueError(f"{path.parent} was started with another target ({first}, not "
-                         f"{target}): use another output directory (or, if it is the same "
-                         f"model moved, delete {path})")
+        path.write_text(json.dumps(settings) + "\n")
+    elif (first := json.loads(path.read_text())) != settings:
+        raise ValueError(f"{path.parent}: its answers were generated with {first}, not "
+                         f"{settings}: use another output directory (or, if it is the same "
+                         f"target moved, delete {path})")
 
 
 def read_answers(path) -> list[dict]:
