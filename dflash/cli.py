@@ -241,7 +241,7 @@ def _train(args: argparse.Namespace) -> int:
     name = args.target if args.target == DEFAULT_TARGET else str(Path(args.target).resolve())
     check_generation(out / "generation.json", {
         "target": name, "dtype": str(llm.dtype), "quantization": args.quantization,
-        "max_answer_tokens": args.max_answer_tokens, "max_model_len": args.max_model_len})
+        "max_answer_tokens": args.max_answer_tokens, "max_model_len": llm.max_model_len})
     generate_answers(llm, texts, answers, max_tokens=args.max_answer_tokens,
                      chunk=args.gen_batch * 2)
     if args.only_data:

@@ -99,8 +99,9 @@ def test_a_run_directory_refuses_another_target(tmp_path, capsys):
                   # answers kept at 4 tokens, which the card would state as 8
                   ["--target", str(tmp_path / "a"), "--dtype", "float32",
                    "--max-answer-tokens", "8"],
+                  # the default is the target's 512 positions
                   ["--target", str(tmp_path / "a"), "--dtype", "float32",
-                   "--max-model-len", "512"]):
+                   "--max-model-len", "256"]):
         assert cli.main([*run, *other]) == 2
         assert "answers were generated with" in capsys.readouterr().err
     assert (out / "answers.jsonl").read_text() == answers
