@@ -11,6 +11,7 @@ import torch
 
 from dflash import LLM, SamplingParams
 from dflash.cli import main
+from dflash.engine import distributed
 from dflash.engine.engine import PREFILL_CHUNK
 from dflash.models import ConfigError, load_target
 from dflash.models.layers import QuantizedWeight
@@ -254,3 +255,34 @@ def test_a_rank_that_raises_reports_its_traceback(models):
     llm.engine.group.send(("step", [None]))   # a command no follower can replay
     with pytest.raises(RuntimeError, match=r"rank 1 raised:\n.*Traceback(.|\n)*TypeError"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))
+
+
+def _start_worker(group, target, num_blocks=8):
+    """Rank 0's part of loading (as `dflash.engine.loading` does): its shard and its worker."""
+    return group.worker(load_target(target, torch.float32, "cpu", group.tp, 64), None,
+                        num_blocks, 16, 1, "greedy")
+
+
+def test_a_rank_killed_while_loading_fails_the_start_clearly(models):
+    """A follower killed while it loads, with rank 0's worker arguments unread in its pipe
+    (which then reads as a reset, not EOF), fails the start with the group's error."""
+    target = models["qwen3"][0]
+    group = distributed.Group(2, target, None, torch.float32, "cpu", 60, 64)
+    follower = group.procs[0]
+    os.kill(follower.pid, signal.SIGSTOP)   # still loading when rank 0 sends its arguments
+    result = {}
+
+    def start():
+        try:
+            _start_worker(group, target)
+        except Exception as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(2)   # rank 0 has sent its arguments and waits
+    os.kill(follower.pid, signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive(), "the start hung"
+    assert isinstance(result.get("error"), RuntimeError), result
+    assert "rank 1 was killed by signal 9" in str(result["error"])

@@ -200,11 +200,12 @@ class Group:
                     raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
 
     def _expect(self, what: str) -> None:
-        """Wait until every follower says `what` (each is alive or its pipe reads EOF)."""
+        """Wait until every follower says `what` (each is alive or its pipe reads EOF, or a
+        reset when it died with a message of ours unread)."""
         for rank, conn in enumerate(self.conns, 1):
             try:
                 message = conn.recv()
-            except EOFError:
+            except (EOFError, OSError):
                 message = None
             if message != (what,):
                 hint = "" if what != "started" else " (see its stderr; a script that starts " \
