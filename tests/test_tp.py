@@ -263,6 +263,32 @@ def _start_worker(group, target, num_blocks=8):
                         num_blocks, 16, 1, "greedy")
 
 
+def test_a_rank_that_hangs_while_loading_fails_the_start(models):
+    """A follower that stops before reporting its worker ready fails the start after the
+    timeout (rank 0's own load done, it waits as it would in a collective), never hangs."""
+    target = models["qwen3"][0]
+    group = distributed.Group(2, target, None, torch.float32, "cpu", 3, 64)
+    follower = group.procs[0]
+    os.kill(follower.pid, signal.SIGSTOP)
+    result = {}
+
+    def start():
+        try:
+            _start_worker(group, target)
+        except Exception as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():   # leave no stopped process behind
+        os.kill(follower.pid, signal.SIGKILL)
+        thread.join(30)
+    assert "error" in result and "did not report 'ready' within 3 s" in str(result["error"])
+    assert "rank 1 was still running" in str(result["error"])
+    assert not follower.is_alive()
+
+
 def test_a_rank_killed_while_loading_fails_the_start_clearly(models):
     """A follower killed while it loads, with rank 0's worker arguments unread in its pipe
     (which then reads as a reset, not EOF), fails the start with the group's error."""

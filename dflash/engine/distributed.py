@@ -12,7 +12,8 @@ broadcast from rank 0, so every rank's caches follow rank 0's decisions exactly,
 rounding of the collectives and whatever the followers' random streams (theirs are never used).
 
 Failures: commands travel over pipes, not collectives, so an idle engine never times out. The
-collectives have a timeout, so a rank that hangs fails the run after `timeout` seconds, and a rank
+collectives have a timeout, so a rank that hangs fails the run after `timeout` seconds (as one
+that hangs while loading fails the start, `timeout` seconds after rank 0 has loaded), and a rank
 that dies closes its sockets, which fails rank 0's next collective at once; a follower that raises
 sends its traceback first. Rank 0 then stops the whole group and raises one RuntimeError saying
 what happened to each rank. The group is torch.distributed's default process group, so a process
@@ -185,7 +186,9 @@ class Group:
         self.send(worker_args)
         with self.stop_on_error():
             worker = TPWorker(self.tp, self, target, draft, *worker_args)
-            self._expect("ready")
+            # rank 0 has loaded its own shard: the others should be done about as soon, so a
+            # follower that hangs while loading fails the start as a hang in a collective would
+            self._expect("ready", self.timeout)
         return worker
 
     def send(self, message) -> None:
@@ -199,10 +202,14 @@ class Group:
                 except OSError as e:
                     raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
 
-    def _expect(self, what: str) -> None:
+    def _expect(self, what: str, timeout: float | None = None) -> None:
         """Wait until every follower says `what` (each is alive or its pipe reads EOF, or a
-        reset when it died with a message of ours unread)."""
+        reset when it died with a message of ours unread), at most `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for rank, conn in enumerate(self.conns, 1):
+            if deadline is not None and not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"tensor-parallel rank {rank} did not report {what!r} "
+                                   f"within {timeout:g} s (tp_timeout)")
             try:
                 message = conn.recv()
             except (EOFError, OSError):

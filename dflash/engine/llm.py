@@ -46,7 +46,7 @@ class LLM:
             r uses device r). Must divide num_key_value_heads (and intermediate_size /
             num_experts). Release them with `close()` (or use the LLM as a context manager).
         tp_timeout: seconds a tensor-parallel collective waits for the other ranks before the
-            run fails.
+            run fails (and, at start, rank 0 for the others to load once it has).
         speculation: "adaptive" (default): every step, the sequences whose drafts pay under
             `cost_model` and their acceptance so far verify a tree of the draft's best
             candidates, sized by the same cost model from the draft's own confidence
