@@ -312,3 +312,22 @@ def test_a_rank_killed_while_loading_fails_the_start_clearly(models):
     assert not thread.is_alive(), "the start hung"
     assert isinstance(result.get("error"), RuntimeError), result
     assert "rank 1 was killed by signal 9" in str(result["error"])
+
+
+class _FollowersCannotLoad(int):
+    """An int to rank 0, whose unpickling raises (in a follower, while it builds its worker)."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
+def _refuse():
+    raise ValueError("refused on this rank")
+
+
+def test_a_rank_that_raises_while_loading_reports_its_traceback(models):
+    target = models["qwen3"][0]
+    group = distributed.Group(2, target, None, torch.float32, "cpu", 60, 64)
+    with pytest.raises(RuntimeError, match=r"rank 1 raised(.|\n)*ValueError: refused on this"):
+        _start_worker(group, target, num_blocks=_FollowersCannotLoad(8))
+    assert not group.procs[0].is_alive()

@@ -214,6 +214,9 @@ class Group:
                 message = conn.recv()
             except (EOFError, OSError):
                 message = None
+            if message is not None and message[0] == "error":   # what _report would show
+                raise RuntimeError(f"tensor-parallel rank {rank} raised before reporting "
+                                   f"{what!r}:\n{message[1]}")
             if message != (what,):
                 hint = "" if what != "started" else " (see its stderr; a script that starts " \
                     "a tensor-parallel LLM needs the `if __name__ == '__main__':` guard)"
