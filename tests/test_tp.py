@@ -106,6 +106,17 @@ def test_bad_parallel_sizes_are_rejected_before_spawning(models):
         LLM(target, draft, cp_size=2, tp_size=2)
 
 
+def test_more_ranks_than_devices_are_refused_before_spawning(models, monkeypatch):
+    """Rank r uses device r: on a host with fewer, the ranks past them would fail only once
+    spawned, with rank 0 waiting tp_timeout for them."""
+    import multiprocessing
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tp_size 2 needs 2 cuda devices .*found 1"):
+        LLM(*models["qwen3"], dtype="float32", device="cuda", tp_size=2)
+    assert not multiprocessing.active_children()
+
+
 # ------------------------------------------------------------------- two processes
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])

@@ -148,6 +148,13 @@ class Group:
         if device.type not in BACKENDS:
             raise ValueError(f"tensor parallelism supports devices {list(BACKENDS)}, "
                              f"got {device.type!r}")
+        if device.type != "cpu":
+            # a rank without its device would fail only once spawned, while rank 0 waits
+            # tp_timeout for it to join the group
+            count = _device_module(device.type).device_count()
+            if count < size:
+                raise ValueError(f"tensor parallelism: tp_size {size} needs {size} "
+                                 f"{device.type} devices (rank r uses device r), found {count}")
         if dist.is_initialized():
             raise RuntimeError("tensor parallelism starts its own torch.distributed process group"
                                ", but one is already initialized in this process (another "
@@ -283,12 +290,17 @@ def _report(proc, conn, deadline: float) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
+def _device_module(device_type: str):
+    """torch.cuda, torch.npu, ... for an accelerator type."""
+    if device_type == "npu":
+        import torch_npu  # noqa: F401  (registers the npu device and the hccl backend)
+    return getattr(torch, device_type)
+
+
 def _use_device(device: torch.device) -> None:
     """Make `device` current (collectives and object broadcasts use the current device)."""
-    if device.type == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device and the hccl backend)
     if device.type != "cpu":
-        getattr(torch, device.type).set_device(device)
+        _device_module(device.type).set_device(device)
 
 
 def _init_process_group(spec: dict, rank: int, size: int, store) -> None:
