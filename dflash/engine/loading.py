@@ -119,14 +119,20 @@ def _cost_key(args: EngineArgs, name: str) -> dict:
 
 
 def _calibrate(args: EngineArgs, loaded: Loaded) -> CostModel:
-    key = _cost_key(args, dtype_name(loaded.dtype))
-    model = None if args.recalibrate else cost_model.load(key)
-    if model is None:
-        model = cost_model.calibrate(loaded.worker, loaded.allocator, loaded.max_num_seqs,
-                                     loaded.block_size, loaded.max_model_len)
-        cost_model.save(key, model)
-        model = CostModel.from_json(model.to_json())   # as the next start will read it
-    return model
+    """`loaded`'s cost model; on an error (e.g. an unwritable cache) its tensor-parallel ranks
+    are stopped, as nobody else gets to close it."""
+    try:
+        key = _cost_key(args, dtype_name(loaded.dtype))
+        model = None if args.recalibrate else cost_model.load(key)
+        if model is None:
+            model = cost_model.calibrate(loaded.worker, loaded.allocator, loaded.max_num_seqs,
+                                         loaded.block_size, loaded.max_model_len)
+            cost_model.save(key, model)
+            model = CostModel.from_json(model.to_json())   # as the next start will read it
+        return model
+    except BaseException:
+        loaded.close()
+        raise
 
 
 def _load_fastest(args: EngineArgs) -> Loaded:
