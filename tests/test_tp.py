@@ -104,6 +104,9 @@ def test_bad_parallel_sizes_are_rejected_before_spawning(models):
         LLM(target, draft, tp_size=0)
     with pytest.raises(ValueError, match="context parallelism"):
         LLM(target, draft, cp_size=2, tp_size=2)
+    for timeout in (0, -5, None, float("inf"), float("nan"), "60", True):
+        with pytest.raises(ValueError, match="tp_timeout must be a positive finite number"):
+            LLM(target, draft, tp_size=2, tp_timeout=timeout)
 
 
 def test_more_ranks_than_devices_are_refused_before_spawning(models, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -41,6 +42,12 @@ class EngineArgs:
                              "use cp_size=1")
         for name, least in (("tp_size", 1), ("max_num_seqs", 1), ("kv_block_size", 1)):
             _check_count(name, getattr(self, name), least)
+        # a timedelta: 0 or less failed the ranks' first connection, None or inf raised no
+        # error naming it
+        if not isinstance(self.tp_timeout, numbers.Real) or isinstance(self.tp_timeout, bool) \
+                or not 0 < self.tp_timeout < math.inf:
+            raise ValueError(f"tp_timeout must be a positive finite number of seconds, "
+                             f"got {self.tp_timeout!r}")
         # max_model_len: at least a prompt token and an output token
         for name, least in (("block_size", 1), ("max_model_len", 2), ("num_kv_blocks", 1)):
             if getattr(self, name) is not None:
