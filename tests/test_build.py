@@ -93,3 +93,21 @@ def test_cpu_kernels_compile_for_aarch64(tmp_path):
             assert result.returncode == 0, (source, cap, result.stderr[-3000:])
     result = _cross_compile(setup, "csrc/cpu/layer_ops.cpp", "AVX512", tmp_path / "x.o")
     assert result.returncode != 0 and "avx512" in result.stderr.lower()
+
+
+@pytest.mark.skipif(CROSS is None, reason="no aarch64 cross compiler "
+                                          "(apt-get install g++-aarch64-linux-gnu)")
+@pytest.mark.parametrize("source", ["ascend_kernels/emu/launchers.cpp",
+                                    "ascend_kernels/paged_attention.cpp"])
+def test_ascend_emulator_compiles_for_aarch64(source):
+    """tests/ascend_emu.py on an Ascend host's own (Kunpeng) CPU: there torch's headers include
+    <arm_neon.h>, whose global `bfloat16_t` typedef the emulator's own must not clash with."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in [ROOT / "ascend_kernels" / "emu", ROOT / "ascend_kernels",
+                                   ROOT / "csrc", *include_paths(),
+                                   sysconfig.get_paths()["include"]]]
+    result = subprocess.run([CROSS, "-std=c++17", "-fsyntax-only", "-ffp-contract=off",
+                             *includes, str(ROOT / source)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]

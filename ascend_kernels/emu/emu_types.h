@@ -7,6 +7,14 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__aarch64__)
+// On aarch64 <arm_neon.h>, which torch's headers include, typedefs a global bfloat16_t (ACLE's
+// __bf16) that the emulator's own bfloat16_t below would clash with. Include it first (its include
+// guard makes later inclusions no-ops) and let the kernels' `bfloat16_t` name the emulator's type.
+#include <arm_neon.h>
+#define bfloat16_t dflash_emu_bfloat16_t
+#endif
+
 namespace dflash::emu {
 
 inline uint32_t float_bits(float f) {
