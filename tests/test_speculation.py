@@ -278,6 +278,20 @@ def test_calibration_is_cached_reused_and_a_corrupted_file_is_ignored(models, mo
     assert len(calls) == 3 and json.loads(files[0].read_text())["cost_model"]["target_ms"]
 
 
+def test_a_calibration_cache_that_cannot_be_written_is_a_warning(models, monkeypatch, tmp_path):
+    # a read-only home (a container) made every engine with a cost model fail to start: the
+    # cache only saves the next start its measurements
+    target, draft = models
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DFLASH_CALIBRATION_DIR", str(tmp_path / "file" / "calibration"))
+    with pytest.warns(UserWarning, match="cannot cache the calibration at .*file/calibration"):
+        llm = LLM(target, draft, dtype="float32", max_num_seqs=2)
+    assert llm.cost_model.target_s
+    want = LLM(target, dtype="float32").generate(PROMPTS[0], SamplingParams(max_tokens=8))
+    assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=8))[0].token_ids == \
+        want[0].token_ids
+
+
 def test_the_calibration_key_names_the_kernel_build(tmp_path):
     """ATEN_CPU_CAPABILITY=avx2 runs the AVX2 build of the kernels on an AVX-512 host: other
     costs, so not the cost model cached for the host's best build."""

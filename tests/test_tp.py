@@ -348,14 +348,19 @@ def test_a_rank_that_raises_while_loading_reports_its_traceback(models):
 
 
 def test_an_error_after_the_ranks_started_stops_them(models, tmp_path, monkeypatch):
-    """An engine that fails to start once its ranks run (here its cost model cannot be saved)
-    stops them: no follower is left, and the process group is released for the next LLM."""
+    """An engine that fails to start once its ranks run (here while it calibrates) stops them:
+    no follower is left, and the process group is released for the next LLM."""
     import multiprocessing
 
+    from dflash.engine import cost_model
+
+    def fails(*args):
+        raise MemoryError("calibration ran out of memory")
+
     target, draft = models["qwen3"]
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv("DFLASH_CALIBRATION_DIR", str(tmp_path / "file"))
-    with pytest.raises(OSError):
+    monkeypatch.setenv("DFLASH_CALIBRATION_DIR", str(tmp_path))
+    monkeypatch.setattr(cost_model, "calibrate", fails)
+    with pytest.raises(MemoryError):
         _llm(target, draft, tp_size=2, tp_timeout=60, speculation="chain")
     assert not multiprocessing.active_children()
     assert not torch.distributed.is_initialized()

@@ -21,7 +21,7 @@ The measurements are cached as JSON under `dflash.assets.cache_dir() / "calibrat
 the host (CPU model, family and model numbers, flags, ONEDNN_MAX_CPU_ISA, threads, torch), the
 CPU kernels' build, the checkpoints (paths, sizes, modification times), the dtype and the shapes
 that matter; `recalibrate=True` measures again. A cache file that cannot be read is ignored with
-a warning.
+a warning, and one that cannot be written is a warning too.
 """
 
 from __future__ import annotations
@@ -279,8 +279,14 @@ def load(key: dict) -> CostModel | None:
 
 
 def save(key: dict, model: CostModel) -> None:
+    """Cache `model` for the next start; a cache that cannot be written (a read-only home) is a
+    warning, as the measurements only save that start the time of taking them again."""
     path = _path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.part")
-    partial.write_text(json.dumps({"key": key, "cost_model": model.to_json()}, indent=1))
-    partial.replace(path)   # never leave a half-written file for the next start to read
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"key": key, "cost_model": model.to_json()}, indent=1))
+        partial.replace(path)   # never leave a half-written file for the next start to read
+    except OSError as e:
+        warnings.warn(f"cannot cache the calibration at {path} ({e}): the next start measures "
+                      f"again (DFLASH_CALIBRATION_DIR sets another directory)", stacklevel=2)
