@@ -277,13 +277,8 @@ def _start_worker(group, target, num_blocks=8):
                         num_blocks, 16, 1, "greedy")
 
 
-def test_a_rank_that_hangs_while_loading_fails_the_start(models):
-    """A follower that stops before reporting its worker ready fails the start after the
-    timeout (rank 0's own load done, it waits as it would in a collective), never hangs."""
-    target = models["qwen3"][0]
-    group = distributed.Group(2, target, None, torch.float32, "cpu", 3, 64)
-    follower = group.procs[0]
-    os.kill(follower.pid, signal.SIGSTOP)
+def _start_in_thread(group, target):
+    """`_start_worker` in a thread, and where the error it raises will be (result["error"])."""
     result = {}
 
     def start():
@@ -294,6 +289,17 @@ def test_a_rank_that_hangs_while_loading_fails_the_start(models):
 
     thread = threading.Thread(target=start, daemon=True)
     thread.start()
+    return thread, result
+
+
+def test_a_rank_that_hangs_while_loading_fails_the_start(models):
+    """A follower that stops before reporting its worker ready fails the start after the
+    timeout (rank 0's own load done, it waits as it would in a collective), never hangs."""
+    target = models["qwen3"][0]
+    group = distributed.Group(2, target, None, torch.float32, "cpu", 3, 64)
+    follower = group.procs[0]
+    os.kill(follower.pid, signal.SIGSTOP)
+    thread, result = _start_in_thread(group, target)
     thread.join(30)
     if thread.is_alive():   # leave no stopped process behind
         os.kill(follower.pid, signal.SIGKILL)
@@ -310,16 +316,7 @@ def test_a_rank_killed_while_loading_fails_the_start_clearly(models):
     group = distributed.Group(2, target, None, torch.float32, "cpu", 60, 64)
     follower = group.procs[0]
     os.kill(follower.pid, signal.SIGSTOP)   # still loading when rank 0 sends its arguments
-    result = {}
-
-    def start():
-        try:
-            _start_worker(group, target)
-        except Exception as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=start, daemon=True)
-    thread.start()
+    thread, result = _start_in_thread(group, target)
     thread.join(2)   # rank 0 has sent its arguments and waits
     os.kill(follower.pid, signal.SIGKILL)
     thread.join(30)
