@@ -117,17 +117,16 @@ def test_fused_infer_reads_index_values_for_checks_only_when_check_asks(monkeypa
     # check=False (the engine's decode path, its plan checked on the host) must not read the
     # index tensors back to validate them: on an NPU each read is a synchronisation. The lengths
     # the torch_npu op takes as host lists are the only reads left.
+    ctx, new = (5, 16, 9), (3, 4, 1)
+    args = paged_attention_inputs(context_lens=[c + n for c, n in zip(ctx, new)], query_lens=new,
+                                  hq=8, hkv=2, d=16, block_size=4, dtype=torch.bfloat16, seed=2)
+    args["context_lens"] = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.paged_attention(**args)   # before the reads are counted (and stubbed)
     read = []
     monkeypatch.setattr(npu_attention.checks, "paged_attention_values",
                         lambda *a, **k: read.append("values"))
     monkeypatch.setattr(torch.Tensor, "nonzero",
                         lambda self, *a, **k: read.append("nonzero") or torch.zeros(0, 1))
-    ctx, new = (5, 16, 9), (3, 4, 1)
-    args = paged_attention_inputs(context_lens=[c + n for c, n in zip(ctx, new)], query_lens=new,
-                                  hq=8, hkv=2, d=16, block_size=4, dtype=torch.bfloat16, seed=2)
-    args["context_lens"] = torch.tensor(ctx, dtype=torch.int32)
-    want = reference.paged_attention(**args)
-    read.clear()   # the reference checks its inputs
     torch.testing.assert_close(fused({**args, "check": False}), want, atol=2e-2, rtol=2e-2)
     assert read == []
     fused({**args, "check": True})

@@ -119,8 +119,8 @@ def _cost_key(args: EngineArgs, name: str) -> dict:
 
 
 def _calibrate(args: EngineArgs, loaded: Loaded) -> CostModel:
-    """`loaded`'s cost model; on an error (e.g. an unwritable cache) its tensor-parallel ranks
-    are stopped, as nobody else gets to close it."""
+    """`loaded`'s cost model; on an error (e.g. while measuring) its tensor-parallel ranks are
+    stopped, as nobody else gets to close it."""
     try:
         key = _cost_key(args, dtype_name(loaded.dtype))
         model = None if args.recalibrate else cost_model.load(key)
